@@ -1,0 +1,121 @@
+"""Codegen: print what the passes decided. Same input, byte-identical output.
+
+Templates (jinja2) render the rank programs and the SVG Gantt chart; JSON outputs are
+serialised with sorted keys. Nothing here chooses an order, a rank or a time.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+
+import jinja2
+
+from passes.simulate import SimResult
+from pipec.ir import Program
+from pipec.textform import TITLE, Header
+
+#: Milliseconds of cost-model time per microsecond of trace time: costs are read as ms.
+TRACE_US_PER_UNIT = 1000.0
+SVG_WIDTH = 1200.0
+ROW_HEIGHT = 22
+LEFT = 70
+
+
+@cache
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("codegen", "templates"),
+        keep_trailing_newline=False,
+        trim_blocks=False,
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+    )
+
+
+def render_program(header: Header, program: Program) -> str:
+    """The `.pipe` text of one rank: title, header, one instruction per line."""
+    return _env().get_template("rank.pipe.j2").render(
+        title=TITLE, header=str(header), program=program
+    )
+
+
+def dump_json(data: object) -> str:
+    """Canonical JSON: sorted keys, two-space indent, trailing newline."""
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+def chrome_trace(sim: SimResult, title: str) -> dict:
+    """The simulated timeline as a Chrome/Perfetto trace: one thread per rank."""
+    events: list[dict] = [
+        {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": title}}
+    ]
+    for rank, slots in enumerate(sim.timeline):
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
+             "args": {"name": f"rank {rank}"}}
+        )
+        for slot in slots:
+            events.append(
+                {
+                    "name": str(slot.instr),
+                    "cat": slot.instr.op.value,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": rank,
+                    "ts": round(slot.start * TRACE_US_PER_UNIT, 3),
+                    "dur": round((slot.end - slot.start) * TRACE_US_PER_UNIT, 3),
+                    "args": {"stage": slot.instr.stage, "mb": slot.instr.mb},
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def render_svg(sim: SimResult, title: str) -> str:
+    """A Gantt chart: ranks down, time across, F/B/W colours, micro-batch labels."""
+    scale = (SVG_WIDTH - LEFT - 10) / sim.makespan if sim.makespan > 0 else 1.0
+    top = 24
+    boxes = []
+    for rank, slots in enumerate(sim.timeline):
+        y = top + rank * ROW_HEIGHT
+        for slot in slots:
+            w = (slot.end - slot.start) * scale
+            x = LEFT + slot.start * scale
+            boxes.append(
+                {
+                    "kind": slot.instr.op.value,
+                    "x": f"{x:.2f}",
+                    "y": y,
+                    "w": f"{w:.2f}",
+                    "h": ROW_HEIGHT - 4,
+                    "tip": f"{slot.instr} [{slot.start:g}, {slot.end:g})",
+                    "label": slot.instr.mb if w >= 7 * len(str(slot.instr.mb)) + 2 else "",
+                    "tx": f"{x + w / 2:.2f}",
+                    "ty": y + ROW_HEIGHT // 2 + 2,
+                }
+            )
+    rows = [(f"rank {r}", top + r * ROW_HEIGHT + ROW_HEIGHT // 2 + 2) for r in range(len(sim.timeline))]
+    kinds = sorted({s.instr.op.value for slots in sim.timeline for s in slots})
+    height = top + len(sim.timeline) * ROW_HEIGHT + 22
+    return _env().get_template("schedule.svg.j2").render(
+        width=int(SVG_WIDTH), height=height, title=title, rows=rows, boxes=boxes,
+        legend=[(k, LEFT + 60 * i) for i, k in enumerate(kinds)],
+    )
+
+
+def terminal_gantt(sim: SimResult, width: int = 100) -> str:
+    """A text Gantt chart: one row per rank, a letter per op kind, '.' where the rank idles."""
+    letters = {"F": "F", "B": "B", "W": "W", "BW": "X", "RECOMPUTE": "R"}
+    cols = max(10, width)
+    scale = cols / sim.makespan if sim.makespan > 0 else 1.0
+    lines = []
+    for rank, slots in enumerate(sim.timeline):
+        row = ["."] * cols
+        for slot in slots:
+            a = int(slot.start * scale)
+            b = max(a + 1, int(slot.end * scale))
+            for c in range(a, min(b, cols)):
+                row[c] = letters.get(slot.instr.op.value, "?")
+        lines.append(f"rank {rank:>3} |{''.join(row)}|")
+    legend = "F forward, B input-grad backward, W weight-grad, X fused B+W, R recompute, . idle"
+    return "\n".join(lines + [f"{'':9}0{'':{cols - 1 - len(f'{sim.makespan:g}')}}{sim.makespan:g}", legend])

@@ -1,0 +1,135 @@
+"""The cost model: how long each op takes and how much activation memory it holds.
+
+Durations are per stage op in the user's unit (the zero-bubble papers' tables are in ms);
+`comm` is the latency of one cross-rank transfer. A per-chunk list (`F=1:2:1:1`) gives each
+model chunk its own cost. Memory is in units of one micro-batch's stash of one rank's full
+share of the model: F adds `mem_F`, W adds `mem_W` (a release, so negative) and B the rest, so
+that a micro-batch nets zero; with recompute, F keeps only `mem_input` and RECOMPUTE adds back
+what is missing before the backward.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+
+from pipec.ir import Instr, Layout, Op, PipecError
+
+_ITEM = re.compile(r"^(F|B|W|comm)=([-+0-9.eE:]+)$")
+_MEM_ITEM = re.compile(r"^(F|W|in)=([-+0-9.eE]+)$")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-op durations (per model chunk) and per-op activation memory deltas."""
+
+    F: tuple[float, ...] = (1.0,)
+    B: tuple[float, ...] = (1.0,)
+    W: tuple[float, ...] = (1.0,)
+    comm: float = 0.0
+    mem_F: float = 1.0
+    mem_W: float = -1.0
+    mem_input: float = 1.0 / 16
+
+    def per_chunk(self, kind: str, chunk: int) -> float:
+        values = getattr(self, kind)
+        return values[chunk] if len(values) > 1 else values[0]
+
+    def duration(self, instr: Instr, layout: Layout) -> float:
+        """How long a compute instruction runs; communication costs `comm` on arrival."""
+        chunk = layout.stage_chunk[instr.stage]
+        op = instr.op
+        if op is Op.F or op is Op.RECOMPUTE:
+            return self.per_chunk("F", chunk)
+        if op is Op.B:
+            return self.per_chunk("B", chunk)
+        if op is Op.W:
+            return self.per_chunk("W", chunk)
+        if op is Op.BW:
+            return self.per_chunk("B", chunk) + self.per_chunk("W", chunk)
+        return 0.0
+
+    def mem_delta(self, op: Op, recompute: bool) -> float:
+        """Activation memory an op adds (in stashes of its stage), from the fused/split rules."""
+        if op is Op.F:
+            return self.mem_input if recompute else self.mem_F
+        if op is Op.RECOMPUTE:
+            return self.mem_F - self.mem_input
+        if op is Op.B:
+            return -(self.mem_F + self.mem_W)
+        if op is Op.W:
+            return self.mem_W
+        if op is Op.BW:
+            return -self.mem_F
+        return 0.0
+
+    def check_chunks(self, n_chunks: int) -> None:
+        for kind in ("F", "B", "W"):
+            n = len(getattr(self, kind))
+            if n not in (1, n_chunks):
+                raise PipecError(
+                    f"--costs {kind} has {n} values; give one, or one per model chunk ({n_chunks})"
+                )
+
+    def to_json(self) -> dict:
+        return {
+            "F": list(self.F), "B": list(self.B), "W": list(self.W), "comm": self.comm,
+            "mem_F": self.mem_F, "mem_W": self.mem_W, "mem_input": self.mem_input,
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> CostModel:
+        return CostModel(
+            tuple(d["F"]), tuple(d["B"]), tuple(d["W"]), d["comm"],
+            d["mem_F"], d["mem_W"], d["mem_input"],
+        )
+
+
+def _number(text: str, what: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise PipecError(f"{what}: '{text}' is not a number") from None
+    if not math.isfinite(x):
+        raise PipecError(f"{what}: '{text}' is not a finite number")
+    return x
+
+
+def parse_costs(text: str, base: CostModel | None = None) -> CostModel:
+    """Parse `--costs F=1,B=1,W=1,comm=0` (any subset; `F=1:2:1:1` per chunk)."""
+    fields: dict = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        m = _ITEM.match(item)
+        if not m:
+            raise PipecError(
+                f"--costs: cannot read '{item}'; expected KEY=VALUE with KEY in F, B, W, comm, "
+                "e.g. --costs F=1,B=2,W=1,comm=0.1"
+            )
+        key, value = m.groups()
+        if key == "comm":
+            fields["comm"] = _number(value, "--costs comm")
+        else:
+            fields[key] = tuple(_number(v, f"--costs {key}") for v in value.split(":"))
+    for key, value in fields.items():
+        if min(value if isinstance(value, tuple) else (value,)) < 0:
+            raise PipecError(f"--costs {key} must not be negative")
+    return replace(base or CostModel(), **fields)
+
+
+def parse_mem(text: str, base: CostModel) -> CostModel:
+    """Parse `--mem F=a,W=-c[,in=r]`: memory F adds, W adds (negative), recompute's input stash."""
+    fields: dict = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        m = _MEM_ITEM.match(item)
+        if not m:
+            raise PipecError(
+                f"--mem: cannot read '{item}'; expected F=a, W=-c or in=r, e.g. --mem F=1,W=-0.5"
+            )
+        key, value = m.groups()
+        fields[{"F": "mem_F", "W": "mem_W", "in": "mem_input"}[key]] = _number(value, "--mem")
+    out = replace(base, **fields)
+    if out.mem_F <= 0 or out.mem_W > 0 or -out.mem_W > out.mem_F:
+        raise PipecError("--mem needs F > 0 and -F <= W <= 0 (W releases part of what F added)")
+    return out
+

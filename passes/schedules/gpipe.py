@@ -1,0 +1,15 @@
+"""GPipe: every forward, then every backward (Huang et al., 2019)."""
+
+from passes.mapping import sequential, stage_ranks
+from passes.registry import Request, schedule
+from pipec.ir import Instr, Op, Schedule, single_pipeline
+
+
+@schedule("gpipe", "all forwards, then all backwards; m stashes on every rank")
+def gpipe(req: Request) -> Schedule:
+    layout = single_pipeline(req.p, req.m, stage_ranks(sequential, req.p, req.p))
+    orders = tuple(
+        tuple(Instr(Op.F, r, i) for i in range(req.m)) + tuple(Instr(Op.BW, r, i) for i in range(req.m))
+        for r in range(req.p)
+    )
+    return Schedule("gpipe", req.p, req.m, 1, layout, orders)

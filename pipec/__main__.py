@@ -1,0 +1,5 @@
+"""`python -m pipec` runs the CLI."""
+
+from pipec.cli import main
+
+main()

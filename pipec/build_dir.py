@@ -1,0 +1,123 @@
+"""The build directory: written atomically by `emit`, read back (and checked) by `load`.
+
+    OUT/rank_000.pipe ...   one program per rank (text form)
+    OUT/plan.json           schedule, layout, costs, model facts; its hash is in every program
+    OUT/stats.json          simulated makespan, bubbles, per-rank busy/span/peak
+    OUT/timeline.json       the simulated run as a Chrome/Perfetto trace
+    OUT/schedule.svg        a Gantt chart of the simulated run
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from codegen.render import chrome_trace, dump_json, render_program, render_svg
+from passes.costs import CostModel
+from pipec.compile import PLAN_FORMAT, CompileResult, plan_hash
+from pipec.ir import FORMAT_VERSION, Compiled, Layout, PipecError
+from pipec.textform import Header, parse_program
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:03d}.pipe"
+
+
+def title(result: CompileResult) -> str:
+    c = result.compiled
+    return f"{c.schedule} p={c.p} m={c.m} v={c.v}"
+
+
+def render_files(result: CompileResult) -> dict[str, str]:
+    """Every file of the build directory, by name."""
+    c = result.compiled
+    files = {}
+    for rank, program in enumerate(c.programs):
+        header = Header(FORMAT_VERSION, rank, c.world, c.schedule, c.p, c.m, c.v, result.plan_hash)
+        files[rank_file(rank)] = render_program(header, program)
+    stats = {"schedule": c.schedule, "p": c.p, "m": c.m, "v": c.v, "memory_unit": "stashes"}
+    stats |= result.sim.to_json()
+    files["plan.json"] = result.plan_text
+    files["stats.json"] = dump_json(stats)
+    files["timeline.json"] = json.dumps(chrome_trace(result.sim, title(result)), sort_keys=True)
+    files["schedule.svg"] = render_svg(result.sim, title(result))
+    return files
+
+
+def emit(result: CompileResult, out: Path, force: bool = False) -> None:
+    """Write the build directory atomically: into a temporary sibling, then one rename.
+
+    An existing non-empty `out` is replaced only with `force`; on any failure nothing is left.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise PipecError(f"--out {out} exists and is not a directory; choose another path")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise PipecError(f"--out {out} exists and is not empty; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        for name, text in render_files(result).items():
+            (tmp / name).write_text(text)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@dataclass(frozen=True)
+class Build:
+    """A build directory read back: its plan, costs and parsed programs."""
+
+    path: Path
+    plan: dict
+    plan_hash: str
+    compiled: Compiled
+    costs: CostModel
+
+
+def load(path: Path) -> Build:
+    """Read and check a build directory; PipecError names the file and the defect."""
+    path = Path(path)
+    plan_file = path / "plan.json"
+    if not plan_file.is_file():
+        raise PipecError(f"{path}: no plan.json here; is this a 'pipec compile --out' directory?")
+    text = plan_file.read_text()
+    try:
+        plan = json.loads(text)
+        if plan.get("format") != PLAN_FORMAT:
+            raise PipecError(f"{plan_file}: format {plan.get('format')!r}, expected {PLAN_FORMAT}")
+        layout = Layout.from_json(plan["layout"])
+        costs = CostModel.from_json(plan["costs"])
+        world, schedule = int(plan["world"]), plan["schedule"]
+        p, m, v = int(plan["p"]), int(plan["m"]), int(plan["v"])
+    except (ValueError, KeyError, TypeError) as e:
+        if isinstance(e, PipecError):
+            raise
+        raise PipecError(f"{plan_file}: corrupted plan ({type(e).__name__}: {e})") from None
+    digest = plan_hash(text)
+    programs = []
+    for rank in range(world):
+        f = path / rank_file(rank)
+        if not f.is_file():
+            raise PipecError(f"{f}: missing (the plan has {world} ranks)")
+        header, program = parse_program(f.read_text(), str(f))
+        expected = Header(FORMAT_VERSION, rank, world, schedule, p, m, v, digest)
+        if header != expected:
+            raise PipecError(
+                f"{f}: header does not match plan.json (got '{header}', expected '{expected}'); "
+                "recompile the directory"
+            )
+        programs.append(program)
+    compiled = Compiled(schedule, p, m, v, layout, tuple(programs))
+    return Build(path, plan, digest, compiled, costs)

@@ -1,0 +1,263 @@
+"""The IR every pipec package shares: instructions, rank programs, the layout and the work graph.
+
+A schedule decides, per rank, the order of compute ops; lowering turns that into a `Program`
+per rank (compute plus communication); codegen prints programs; the runtime executes them.
+Everything here is a frozen value so results compare with `==` (golden tests, round-trips).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+
+import networkx as nx
+
+FORMAT_VERSION = 1
+
+
+class PipecError(ValueError):
+    """Bad user input or an infeasible request; the CLI prints the message and exits 2."""
+
+
+class Op(enum.Enum):
+    """What one instruction does at run time (the runtime's dispatch table is keyed on this)."""
+
+    F = "F"
+    """Run the forward of (stage, mb) and keep its stash for the backward."""
+    B = "B"
+    """Input-gradient backward of (stage, mb); weight-gradient work is queued for `W`."""
+    W = "W"
+    """Weight-gradient backward of (stage, mb): run the queued GEMMs, free what is left."""
+    BW = "BW"
+    """Fused backward of (stage, mb): input and weight gradients at once, stash freed."""
+    RECOMPUTE = "RECOMPUTE"
+    """Re-run the forward of (stage, mb) from its stashed input to rebuild the full stash."""
+    SEND_ACT = "SEND_ACT"
+    """Send the output activation of (stage, mb) to `peer` (non-blocking)."""
+    RECV_ACT = "RECV_ACT"
+    """Post the receive of the input activation of (stage, mb) from `peer`."""
+    SEND_GRAD = "SEND_GRAD"
+    """Send the input gradient of (stage, mb) to `peer` (non-blocking)."""
+    RECV_GRAD = "RECV_GRAD"
+    """Post the receive of the output gradient of (stage, mb) from `peer`."""
+    EVICT = "EVICT"
+    """Send the stash of (stage, mb) to the acceptor `peer` and free it here."""
+    LOAD = "LOAD"
+    """Ask the acceptor `peer` for the stash of (stage, mb) back, ahead of its backward."""
+    ACCEPT = "ACCEPT"
+    """Receive and hold the stash of (stage, mb) evicted by `peer`."""
+    RETURN = "RETURN"
+    """Send the held stash of (stage, mb) back to the evictor `peer` and free it here."""
+    ALLREDUCE_GRADS = "ALLREDUCE_GRADS"
+    """All-reduce the gradients of `stage` with its replica on `peer` (or the DP group)."""
+    OPTIMIZER_STEP = "OPTIMIZER_STEP"
+    """Apply the optimizer to every parameter this rank holds, then zero the gradients."""
+
+    # Members are singletons: identity hashing is correct and, unlike Enum's Python-level
+    # __hash__, runs in C. Work-graph nodes are hashed millions of times at p=64, m=1024.
+    __hash__ = object.__hash__
+
+
+COMPUTE_OPS = frozenset({Op.F, Op.B, Op.W, Op.BW, Op.RECOMPUTE})
+SEND_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD})
+RECV_OPS = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
+#: Ops whose peer field is the destination (printed `to=`); the others print `from=`.
+TO_PEER_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.EVICT, Op.RETURN, Op.ALLREDUCE_GRADS})
+
+
+@dataclass(frozen=True, slots=True)
+class Instr:
+    """One instruction of a rank's program; fields that an op does not use stay None."""
+
+    op: Op
+    stage: int | None = None
+    mb: int | None = None
+    peer: int | None = None
+
+    def __str__(self) -> str:
+        parts = [self.op.value]
+        if self.stage is not None:
+            parts.append(f"s={self.stage}")
+        if self.mb is not None:
+            parts.append(f"mb={self.mb}")
+        if self.peer is not None:
+            parts.append(f"{'to' if self.op in TO_PEER_OPS else 'from'}={self.peer}")
+        return " ".join(parts)
+
+
+Program = tuple[Instr, ...]
+"""One rank's instructions, in the order the runtime executes them."""
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """One direction of data flow: the stages a micro-batch visits, and which micro-batches."""
+
+    stages: tuple[int, ...]
+    mbs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where stages live and how micro-batches flow through them.
+
+    `stage_rank[s]` is the rank that holds stage s; `stage_chunk[s]` is the model chunk it
+    computes (two replicas of a chunk are two stages with the same chunk). A stage's stash of
+    one micro-batch weighs `p / n_chunks` in units of one rank's full share of the model.
+    """
+
+    p: int
+    stage_rank: tuple[int, ...]
+    stage_chunk: tuple[int, ...]
+    pipelines: tuple[Pipeline, ...]
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_rank)
+
+    @cached_property
+    def n_chunks(self) -> int:
+        return len(set(self.stage_chunk))
+
+    @cached_property
+    def m(self) -> int:
+        return sum(len(pl.mbs) for pl in self.pipelines)
+
+    @cached_property
+    def stash_share(self) -> float:
+        """One micro-batch's stash of one stage, in units of one rank's full share."""
+        return self.p / self.n_chunks
+
+    @cached_property
+    def _neighbours(self) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+        nxt: dict[int, int] = {}
+        prv: dict[int, int] = {}
+        pipe_of_stage: dict[int, int] = {}
+        for i, pl in enumerate(self.pipelines):
+            for a, b in zip(pl.stages, pl.stages[1:]):
+                nxt[a], prv[b] = b, a
+            for s in pl.stages:
+                pipe_of_stage[s] = i
+        return nxt, prv, pipe_of_stage
+
+    def next_stage(self, stage: int) -> int | None:
+        """The stage after `stage` in its pipeline, or None for the last stage (the loss)."""
+        return self._neighbours[0].get(stage)
+
+    def prev_stage(self, stage: int) -> int | None:
+        """The stage before `stage` in its pipeline, or None for the first stage."""
+        return self._neighbours[1].get(stage)
+
+    def pipeline_of_stage(self, stage: int) -> int:
+        return self._neighbours[2][stage]
+
+    @cached_property
+    def pipeline_of_mb(self) -> dict[int, int]:
+        return {mb: i for i, pl in enumerate(self.pipelines) for mb in pl.mbs}
+
+    def stages_of_rank(self, rank: int) -> tuple[int, ...]:
+        return tuple(s for s, r in enumerate(self.stage_rank) if r == rank)
+
+    def to_json(self) -> dict:
+        return {
+            "p": self.p,
+            "stage_rank": list(self.stage_rank),
+            "stage_chunk": list(self.stage_chunk),
+            "pipelines": [{"stages": list(pl.stages), "mbs": list(pl.mbs)} for pl in self.pipelines],
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> Layout:
+        return Layout(
+            p=int(d["p"]),
+            stage_rank=tuple(d["stage_rank"]),
+            stage_chunk=tuple(d["stage_chunk"]),
+            pipelines=tuple(
+                Pipeline(tuple(pl["stages"]), tuple(pl["mbs"])) for pl in d["pipelines"]
+            ),
+        )
+
+
+def single_pipeline(p: int, m: int, stage_rank: tuple[int, ...]) -> Layout:
+    """The layout of every one-direction schedule: stages 0..S-1 in order, all micro-batches."""
+    n = len(stage_rank)
+    return Layout(p, stage_rank, tuple(range(n)), (Pipeline(tuple(range(n)), tuple(range(m))),))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A schedule family's decision: the layout and each rank's order of compute ops."""
+
+    name: str
+    p: int
+    m: int
+    v: int
+    layout: Layout
+    orders: tuple[Program, ...]
+
+    @cached_property
+    def split_bw(self) -> bool:
+        return any(i.op is Op.W for order in self.orders for i in order)
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What the compiler emits: the schedule's identity, its layout and one program per rank."""
+
+    schedule: str
+    p: int
+    m: int
+    v: int
+    layout: Layout
+    programs: tuple[Program, ...]
+
+    @property
+    def world(self) -> int:
+        return len(self.programs)
+
+
+def dependencies(
+    layout: Layout, node: tuple[Op, int, int], recompute: bool = False
+) -> Iterator[tuple[Op, int, int]]:
+    """Predecessors of compute node (op, stage, mb) in the work graph (DESIGN.md's edges).
+
+    F(s,i)<-F(prev,i); B(last,i)<-F(last,i); B(s,i)<-B(next,i), F(s,i); W(s,i)<-B(s,i).
+    A fused BW follows the same edges as B (its upstream backward is a BW too); with
+    recompute, the backward also waits for RECOMPUTE(s,i), which waits for F(s,i).
+    """
+    op, s, i = node
+    if op is Op.F:
+        prev = layout.prev_stage(s)
+        if prev is not None:
+            yield (Op.F, prev, i)
+    elif op is Op.RECOMPUTE:
+        yield (Op.F, s, i)
+    elif op in (Op.B, Op.BW):
+        nxt = layout.next_stage(s)
+        if nxt is not None:
+            yield (op, nxt, i)
+        yield (Op.F, s, i)
+        if recompute:
+            yield (Op.RECOMPUTE, s, i)
+    elif op is Op.W:
+        yield (Op.B, s, i)
+
+
+def work_graph(layout: Layout, split_bw: bool, recompute: bool = False) -> nx.DiGraph:
+    """The work graph: one node per compute op (op, stage, mb), edges for data dependencies.
+
+    With `split_bw`, the backward is B then W; without, one fused BW node per (stage, mb).
+    """
+    g = nx.DiGraph()
+    kinds = [Op.F, Op.B, Op.W] if split_bw else [Op.F, Op.BW]
+    if recompute:
+        kinds.append(Op.RECOMPUTE)
+    for pl in layout.pipelines:
+        for s in pl.stages:
+            for i in pl.mbs:
+                g.add_nodes_from((k, s, i) for k in kinds)
+    for node in list(g.nodes):
+        g.add_edges_from((dep, node) for dep in dependencies(layout, node, recompute))
+    return g

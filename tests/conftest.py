@@ -1,0 +1,30 @@
+"""Shared test options: `pytest --update-golden` rewrites tests/golden/ instead of comparing."""
+
+from pathlib import Path
+
+import pytest
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--update-golden", action="store_true", help="rewrite golden files instead of comparing"
+    )
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest):
+    """Compare text with tests/golden/NAME, or rewrite it under --update-golden."""
+    update = request.config.getoption("--update-golden")
+
+    def check(name: str, text: str) -> None:
+        path = GOLDEN / name
+        if update:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            return
+        assert path.exists(), f"missing golden file {path}; run pytest --update-golden"
+        assert text == path.read_text(), f"{path} differs; if intended, run pytest --update-golden"
+
+    return check
