@@ -63,16 +63,28 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(X, offs, T, HEAD_DIM: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Rows `offs` of a contiguous (T, HEAD_DIM) matrix, zero past T (the ragged tail);
+    TRANSPOSED loads the (HEAD_DIM, rows) view, the right operand of a dot."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_seq = offs < T
+    if TRANSPOSED:
+        ptrs, mask = X + offs[None, :] * HEAD_DIM + offs_d[:, None], in_seq[None, :]
+    else:
+        ptrs, mask = X + offs[:, None] * HEAD_DIM + offs_d[None, :], in_seq[:, None]
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, K, V, offs_m, lo, hi, T, qk_scale,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BAND: tl.constexpr,
                DOT_FP32: tl.constexpr):  # fmt: skip
     """Fold key tiles [lo, hi) into the online-softmax state (acc, l_i, m_i) of one query tile.
     BAND: the tiles straddle the diagonal, so apply the causal mask."""
-    offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         in_seq = offs_n < T
-        kT = tl.load(K + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=in_seq[None, :], other=0.0)
+        kT = _load_rows(K, offs_n, T, HEAD_DIM, True)
         s = _dot(q, kT, DOT_FP32) * qk_scale
         keep = in_seq[None, :]
         if BAND:
@@ -83,7 +95,7 @@ def _fwd_tiles(acc, l_i, m_i, q, K, V, offs_m, lo, hi, T, qk_scale,
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+        v = _load_rows(V, offs_n, T, HEAD_DIM, False)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
         m_i = m_new
     return acc, l_i, m_i
@@ -95,18 +107,17 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, offs_n, lo, hi, T, qk_scale,
                 DOT_FP32: tl.constexpr):  # fmt: skip
     """Add to (dk, dv) of one key tile the terms of query rows [lo, hi) of one q head, with
     P^T recomputed from the saved log-sum-exp. BAND: apply the causal mask."""
-    offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         in_seq = offs_m < T
-        qT = tl.load(Q + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=in_seq[None, :], other=0.0)
+        qT = _load_rows(Q, offs_m, T, HEAD_DIM, True)
         lse = tl.load(LSE + offs_m, mask=in_seq, other=0.0)
         pT = tl.math.exp2(_dot(k, qT, DOT_FP32) * qk_scale - lse[None, :])
         keep = in_seq[None, :]
         if BAND:
             keep = keep & (offs_m[None, :] >= offs_n[:, None])
         pT = tl.where(keep, pT, 0.0)
-        do = tl.load(DO + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+        do = _load_rows(DO, offs_m, T, HEAD_DIM, False)
         dv += _dot(pT.to(do.dtype), do, DOT_FP32)
         delta = tl.load(DELTA + offs_m, mask=in_seq, other=0.0)
         dsT = pT * (_dot(v, tl.trans(do), DOT_FP32) - delta[None, :])
@@ -120,12 +131,11 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, offs_m, lo, hi, T, qk_scale,
               DOT_FP32: tl.constexpr):  # fmt: skip
     """Add to dq of one query tile the terms of key tiles [lo, hi), with P recomputed from the
     saved log-sum-exp. BAND: apply the causal mask."""
-    offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         in_seq = offs_n < T
-        kT = tl.load(K + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=in_seq[None, :], other=0.0)
-        vT = tl.load(V + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=in_seq[None, :], other=0.0)
+        kT = _load_rows(K, offs_n, T, HEAD_DIM, True)
+        vT = _load_rows(V, offs_n, T, HEAD_DIM, True)
         p = tl.math.exp2(_dot(q, kT, DOT_FP32) * qk_scale - lse[:, None])
         keep = in_seq[None, :]
         if BAND:
@@ -175,7 +185,7 @@ def _attn_fwd(Q, K, V, O, LSE, sm_scale, T, H, GROUP,
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     in_seq = offs_m < T
-    q = tl.load(Q + rows, mask=in_seq[:, None], other=0.0)
+    q = _load_rows(Q, offs_m, T, HEAD_DIM, False)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -200,12 +210,10 @@ def _attn_bwd_preprocess(O, DO, DELTA, T, HEAD_DIM: tl.constexpr, BLOCK_M: tl.co
     """delta = rowsum(dO * O) in fp32 for BLOCK_M rows. Grid: (cdiv(T, BLOCK_M), B * H)."""
     bh = tl.program_id(1)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = bh.to(tl.int64) * T * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    in_seq = offs_m < T
-    o = tl.load(O + rows, mask=in_seq[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + rows, mask=in_seq[:, None], other=0.0).to(tl.float32)
-    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(o * do, 1), mask=in_seq)
+    q_off = bh.to(tl.int64) * T * HEAD_DIM
+    o = _load_rows(O + q_off, offs_m, T, HEAD_DIM, False).to(tl.float32)
+    do = _load_rows(DO + q_off, offs_m, T, HEAD_DIM, False).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
 
 
 @triton.autotune(
@@ -228,8 +236,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, sm_scale, T, H, GROUP,
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     in_seq = offs_n < T
-    k = tl.load(K + kv_off + rows, mask=in_seq[:, None], other=0.0)
-    v = tl.load(V + kv_off + rows, mask=in_seq[:, None], other=0.0)
+    k = _load_rows(K + kv_off, offs_n, T, HEAD_DIM, False)
+    v = _load_rows(V + kv_off, offs_n, T, HEAD_DIM, False)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
@@ -276,8 +284,8 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, sm_scale, T, H, GROUP,
     offs_d = tl.arange(0, HEAD_DIM)
     rows = q_off + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     in_seq = offs_m < T
-    q = tl.load(Q + rows, mask=in_seq[:, None], other=0.0)
-    do = tl.load(DO + rows, mask=in_seq[:, None], other=0.0)
+    q = _load_rows(Q + q_off, offs_m, T, HEAD_DIM, False)
+    do = _load_rows(DO + q_off, offs_m, T, HEAD_DIM, False)
     lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=in_seq, other=0.0)
     delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=in_seq, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -329,7 +337,7 @@ class _FlashAttention(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
         _attn_bwd_preprocess[(triton.cdiv(T, 64), B * H)](o, do, delta, T, HEAD_DIM=D, BLOCK_M=64)
-        meta = dict(HEAD_DIM=D, CAUSAL=ctx.is_causal, DOT_FP32=ctx.dot_fp32)
+        meta = {"HEAD_DIM": D, "CAUSAL": ctx.is_causal, "DOT_FP32": ctx.dot_fp32}
         _attn_bwd_dkdv[_grid(T, B * H // group, "BLOCK_N")](
             q, k, v, do, dk, dv, lse, delta, ctx.scale, T, H, group, **meta
         )
@@ -346,11 +354,13 @@ def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Checks every backend needs: the layout (batch, heads, seq, head_dim) and GQA grouping."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"attention: q, k, v must be 4-D (batch, heads, seq, head_dim); got {_shapes(q, k, v)}")
+        raise ValueError(
+            f"attention: q, k, v must be 4-D (batch, heads, seq, head_dim); got {_shapes(q, k, v)}"
+        )
     if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(
-            f"attention: shapes do not match: {_shapes(q, k, v)}; k and v need the same batch, heads "
-            "and seq, and q the same batch and head_dim as k"
+            f"attention: shapes do not match: {_shapes(q, k, v)}; k and v need the same batch, "
+            "heads and seq, and q the same batch and head_dim as k"
         )
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(
@@ -358,9 +368,13 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             "q heads must be a multiple of k/v heads (grouped-query attention)"
         )
     if not (q.device == k.device == v.device):
-        raise ValueError(f"attention: q, k, v are on {q.device}, {k.device}, {v.device}; put them on one device")
+        raise ValueError(
+            f"attention: q, k, v are on {q.device}, {k.device}, {v.device}; put them on one device"
+        )
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"attention: q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; use one dtype")
+        raise ValueError(
+            f"attention: q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; use one dtype"
+        )
 
 
 def _check_kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -418,7 +432,9 @@ def attention(
     _check_inputs(q, k, v)
     if _backend(q) == "sdpa":
         gqa = k.shape[1] != q.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa
+        )
     _check_kernel_inputs(q, k, v)
     scale = q.shape[3] ** -0.5 if scale is None else scale
     return _FlashAttention.apply(q, k, v, is_causal, scale)
