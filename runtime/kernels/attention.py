@@ -34,6 +34,7 @@ imported: set TRITON_INTERPRET=1 before importing it.
 """
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -304,7 +305,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, sm_scale, T, H, GROUP,
     tl.store(DQ + rows, (dq * sm_scale).to(DQ.dtype.element_ty), mask=in_seq[:, None])
 
 
-def _grid(T: int, programs: int, tile: str):
+def _grid(T: int, programs: int, tile: str) -> Callable[[dict], tuple[int, int]]:
     """Launch grid: one program per `tile`-sized slice of the sequence, per (batch, head)."""
     return lambda meta: (triton.cdiv(T, meta[tile]), programs)
 
@@ -313,7 +314,9 @@ class _FlashAttention(torch.autograd.Function):
     """Autograd glue: forward saves (q, k, v, o, lse); backward runs preprocess, dK/dV, dQ."""
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal: bool, scale: float) -> torch.Tensor:
+    def forward(
+        ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float
+    ) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         B, H, T, D = q.shape
         group = H // k.shape[1]
@@ -329,7 +332,7 @@ class _FlashAttention(torch.autograd.Function):
         return o
 
     @staticmethod
-    def backward(ctx, do: torch.Tensor):
+    def backward(ctx, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, lse = ctx.saved_tensors
         do = do.contiguous()
         B, H, T, D = q.shape
