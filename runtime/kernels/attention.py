@@ -28,7 +28,7 @@ Grouped-query attention: q head h reads kv head h // group. The dK/dV program of
 over the group's q heads, so the sum over the group happens in registers.
 
 Under TRITON_INTERPRET=1 (CPU), dots are computed in fp32 because the interpreter's tl.dot on
-16-bit operands is wrong, and one fixed 64x64 tile config replaces autotuning, which is slow
+bf16 operands is wrong (it multiplies bit patterns), and one fixed 64x64 tile config replaces autotuning, which is slow
 when interpreted. Kernels become interpreted when they are decorated, i.e. when this module is
 imported: set TRITON_INTERPRET=1 before importing it.
 """
@@ -48,13 +48,13 @@ HEAD_DIMS = (32, 64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("triton", "sdpa")
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-"""log2(e): exp(x) == exp2(x * LOG2E), and exp2 is one GPU instruction."""
+"""log2(e): exp(x) == exp2(x * LOG2E)."""
 
 
 @triton.jit
 def _dot(a, b, DOT_FP32: tl.constexpr):
     """a @ b accumulated in fp32. DOT_FP32 makes the multiply itself fp32 (IEEE): for fp32 inputs,
-    so the GPU does not silently round to TF32, and under the interpreter, whose 16-bit dot is
+    so the GPU does not silently round to TF32, and under the interpreter, whose bf16 dot is
     wrong."""
     if DOT_FP32:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
