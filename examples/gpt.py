@@ -48,8 +48,14 @@ TINY = GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_heads=4, n_layers=8)
 # to match the name: 80 layers of hidden 9984 (78 heads of 128) give 12·L·h² + V·h ≈ 96.2B
 # parameters with Megatron's padded GPT-2 vocabulary (51200) and sequence length 2048.
 GPT3_96B = GPTConfig(
-    vocab_size=51200, seq_len=2048, d_model=9984, n_heads=78, n_layers=80,
-    tie_embeddings=True, micro_batch=1, dtype=torch.bfloat16,
+    vocab_size=51200,
+    seq_len=2048,
+    d_model=9984,
+    n_heads=78,
+    n_layers=80,
+    tie_embeddings=True,
+    micro_batch=1,
+    dtype=torch.bfloat16,
 )
 
 

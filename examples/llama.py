@@ -47,8 +47,15 @@ TINY = LlamaConfig(
 # 2/3·4·d rounded up to a multiple of 256 = 22016; vocabulary 32000; context 2048). LLaMA-1 has
 # no grouped-query attention, so kv heads = heads.
 LLAMA_65B = LlamaConfig(
-    vocab_size=32000, seq_len=2048, d_model=8192, n_heads=64, n_kv_heads=64, n_layers=80,
-    ffn_dim=22016, micro_batch=1, dtype=torch.bfloat16,
+    vocab_size=32000,
+    seq_len=2048,
+    d_model=8192,
+    n_heads=64,
+    n_kv_heads=64,
+    n_layers=80,
+    ffn_dim=22016,
+    micro_batch=1,
+    dtype=torch.bfloat16,
 )
 
 

@@ -102,8 +102,10 @@ class SplitLinear(nn.Module):
         return _SplitLinearFunction.apply(x, self.weight, self.bias, self, self._queue)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 def _accumulate_weight_grad(linear: SplitLinear, x: Tensor, dy: Tensor) -> None:
@@ -143,15 +145,19 @@ def split_backward(stage: nn.Module) -> WeightGradQueue:
 
 
 def _queue(stage: nn.Module) -> WeightGradQueue:
-    queue = getattr(stage, _QUEUE_ATTR, None)
-    if not isinstance(queue, WeightGradQueue):
+    queue: WeightGradQueue | None = getattr(stage, _QUEUE_ATTR, None)
+    if queue is None:
         raise RuntimeError(f"{type(stage).__name__} was not prepared with split_backward(stage)")
     return queue
 
 
-def B(stage: nn.Module, mb: int, outputs: Tensor | Sequence[Tensor],
-      grad_outputs: Tensor | Sequence[Tensor] | None = None,
-      inputs: Sequence[Tensor] = ()) -> tuple[Tensor | None, ...]:
+def B(
+    stage: nn.Module,
+    mb: int,
+    outputs: Tensor | Sequence[Tensor],
+    grad_outputs: Tensor | Sequence[Tensor] | None = None,
+    inputs: Sequence[Tensor] = (),
+) -> tuple[Tensor | None, ...]:
     """Input-gradient backward of micro-batch `mb` through `stage`.
 
     `outputs` are the stage's outputs with `grad_outputs` the gradients received from the next

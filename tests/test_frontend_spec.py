@@ -30,8 +30,9 @@ def test_same_seed_same_weights_and_batch():
     a = load_factory(f"{ROOT}/examples/gpt.py:tiny")
     b = load_factory(f"{ROOT}/examples/gpt.py:tiny")
     c = load_factory(f"{ROOT}/examples/gpt.py:tiny", seed=1)
-    for (name, p), q, r in zip(a.model.named_parameters(), b.model.parameters(),
-                               c.model.parameters()):
+    for (name, p), q, r in zip(
+        a.model.named_parameters(), b.model.parameters(), c.model.parameters()
+    ):
         assert torch.equal(p, q), name
     assert not torch.equal(next(a.model.parameters()), next(c.model.parameters()))
     assert torch.equal(a.example_inputs[0], b.example_inputs[0])
@@ -43,8 +44,10 @@ def test_same_seed_same_weights_and_batch():
         ("examples/gpt.py", "must look like path/to/file.py:factory"),
         ("no/such/file.py:tiny", "no file no/such/file.py"),
         ("no_such_package.models:tiny", "no module no_such_package.models"),
-        (f"{ROOT}/examples/gpt.py:tinyy", "has no factory 'tinyy' (available: gpt3_96b, "
-                                          "tiny, tiny_tied)"),
+        (
+            f"{ROOT}/examples/gpt.py:tinyy",
+            "has no factory 'tinyy' (available: gpt3_96b, tiny, tiny_tied)",
+        ),
         (f"{BROKEN}:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a function"),
         (f"{BROKEN}:not_a_spec", "returned dict; a factory must return pipec.frontend.ModelSpec"),
         (f"{BROKEN}:raises", "the factory raised RuntimeError: out of coffee"),

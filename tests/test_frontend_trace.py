@@ -28,12 +28,21 @@ def test_examples_trace_with_attention_as_one_call(example):
 @pytest.mark.parametrize(
     "factory, line, expected",
     [
-        ("data_dependent_if", FAILING_LINES[0],
-         "control flow depends on a traced value; move the branch out or pass a concrete argument"),
-        ("assert_on_shape", FAILING_LINES[1],
-         "a Python assert on a traced value; remove the assert or pass a concrete argument"),
-        ("mask_buffer_slice", FAILING_LINES[2],
-         "a tensor is sliced by a traced size; slice with a constant, or mark the module a leaf"),
+        (
+            "data_dependent_if",
+            FAILING_LINES[0],
+            "control flow depends on a traced value; move the branch out or pass a concrete argument",
+        ),
+        (
+            "assert_on_shape",
+            FAILING_LINES[1],
+            "a Python assert on a traced value; remove the assert or pass a concrete argument",
+        ),
+        (
+            "mask_buffer_slice",
+            FAILING_LINES[2],
+            "a tensor is sliced by a traced size; slice with a constant, or mark the module a leaf",
+        ),
     ],
 )
 def test_untraceable_models_name_module_location_and_fix(factory, line, expected):
@@ -51,8 +60,13 @@ def test_leaf_module_fixes_the_buffer_slice():
     from frontend_models.broken import Decoder, MaskBufferSlice  # tests/ is on sys.path
 
     x = torch.randn(2, 8, 8)
-    spec = ModelSpec(Decoder(MaskBufferSlice), (x,), x, torch.nn.functional.mse_loss,
-                     leaf_modules=(MaskBufferSlice,))
+    spec = ModelSpec(
+        Decoder(MaskBufferSlice),
+        (x,),
+        x,
+        torch.nn.functional.mse_loss,
+        leaf_modules=(MaskBufferSlice,),
+    )
     assert torch.equal(trace(spec)(x), spec.model(x))
 
 
@@ -70,8 +84,9 @@ def test_concrete_args_fix_a_flag_branch():
     x = torch.randn(3, 4)
     with pytest.raises(FrontendError, match="control flow"):
         trace(ModelSpec(Flagged(), (x,), x, torch.nn.functional.mse_loss, concrete_args=None))
-    spec = ModelSpec(Flagged(), (x,), x, torch.nn.functional.mse_loss,
-                     concrete_args={"double": True})
+    spec = ModelSpec(
+        Flagged(), (x,), x, torch.nn.functional.mse_loss, concrete_args={"double": True}
+    )
     gm = trace(spec)
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x"]
     assert torch.equal(gm(x), spec.model(x, double=True))

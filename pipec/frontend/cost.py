@@ -44,14 +44,50 @@ class Flops:
 
 
 _ZERO_FUNCTIONS = {
-    operator.getitem, getattr, torch.arange, torch.cat, torch.stack, torch.flatten,
-    torch.reshape, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze,
-    torch.split, torch.chunk, torch.t, torch.narrow, torch.select,
+    operator.getitem,
+    getattr,
+    torch.arange,
+    torch.cat,
+    torch.stack,
+    torch.flatten,
+    torch.reshape,
+    torch.transpose,
+    torch.permute,
+    torch.unsqueeze,
+    torch.squeeze,
+    torch.split,
+    torch.chunk,
+    torch.t,
+    torch.narrow,
+    torch.select,
 }
 _ZERO_METHODS = {
-    "size", "dim", "view", "view_as", "reshape", "transpose", "permute", "contiguous", "flatten",
-    "unflatten", "unsqueeze", "squeeze", "expand", "expand_as", "split", "chunk", "t", "to",
-    "type", "type_as", "float", "half", "bfloat16", "narrow", "select", "repeat_interleave",
+    "size",
+    "dim",
+    "view",
+    "view_as",
+    "reshape",
+    "transpose",
+    "permute",
+    "contiguous",
+    "flatten",
+    "unflatten",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "expand_as",
+    "split",
+    "chunk",
+    "t",
+    "to",
+    "type",
+    "type_as",
+    "float",
+    "half",
+    "bfloat16",
+    "narrow",
+    "select",
+    "repeat_interleave",
 }
 _MATMUL_FUNCTIONS = {operator.matmul, torch.matmul, torch.bmm, torch.mm, F.linear}
 _MATMUL_METHODS = {"matmul", "bmm", "mm"}
@@ -66,7 +102,9 @@ def _attention_functions() -> set[object]:
     return funcs | {attention}
 
 
-def node_flops(gm: fx.GraphModule, example_inputs: tuple[torch.Tensor, ...]) -> dict[fx.Node, Flops]:
+def node_flops(
+    gm: fx.GraphModule, example_inputs: tuple[torch.Tensor, ...]
+) -> dict[fx.Node, Flops]:
     """FLOPs of every node of `gm` for one micro-batch `example_inputs` (runs `gm` once)."""
     ShapeProp(gm).propagate(*example_inputs)
     attention_fns = _attention_functions()

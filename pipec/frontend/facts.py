@@ -96,11 +96,15 @@ class StageFacts:
     @staticmethod
     def from_json(d: dict[str, Any]) -> StageFacts:
         return StageFacts(
-            d["stage"], (d["blocks"][0], d["blocks"][1]),
+            d["stage"],
+            (d["blocks"][0], d["blocks"][1]),
             tuple(TensorFacts.from_json(t) for t in d["inputs"]),
             tuple(TensorFacts.from_json(t) for t in d["outputs"]),
-            d["params"], d["param_bytes"], d["stash_bytes"],
-            Costs.from_json(d["flops"]), Costs.from_json(d["seconds"]),
+            d["params"],
+            d["param_bytes"],
+            d["stash_bytes"],
+            Costs.from_json(d["flops"]),
+            Costs.from_json(d["seconds"]),
         )
 
 
@@ -146,10 +150,14 @@ class ModelPlan:
             "replicas": self.replicas,
             "blocks": {"path": self.blocks_path, "count": self.n_blocks},
             "partition": {"mode": self.partition_mode, "blocks_per_stage": list(self.partition)},
-            "cost": {"source": self.cost_source, "flops_per_s": self.flops_per_s,
-                     "device": self.device},
-            "tied_parameters": [[{"stage": k, "name": name} for k, name in group]
-                                for group in self.tied],
+            "cost": {
+                "source": self.cost_source,
+                "flops_per_s": self.flops_per_s,
+                "device": self.device,
+            },
+            "tied_parameters": [
+                [{"stage": k, "name": name} for k, name in group] for group in self.tied
+            ],
             "stages": [s.to_json() for s in self.stages],
         }
 
@@ -158,17 +166,27 @@ class ModelPlan:
         if d.get("format") != PLAN_FORMAT:
             raise ValueError(f"not a {PLAN_FORMAT} document (format: {d.get('format')!r})")
         return ModelPlan(
-            d["spec"], d["seed"], d["n_stages"], d["p"], d["v"], d["replicas"],
-            d["blocks"]["path"], d["blocks"]["count"],
-            d["partition"]["mode"], tuple(d["partition"]["blocks_per_stage"]),
-            d["cost"]["source"], d["cost"]["flops_per_s"], d["cost"]["device"],
+            d["spec"],
+            d["seed"],
+            d["n_stages"],
+            d["p"],
+            d["v"],
+            d["replicas"],
+            d["blocks"]["path"],
+            d["blocks"]["count"],
+            d["partition"]["mode"],
+            tuple(d["partition"]["blocks_per_stage"]),
+            d["cost"]["source"],
+            d["cost"]["flops_per_s"],
+            d["cost"]["device"],
             tuple(tuple((h["stage"], h["name"]) for h in group) for group in d["tied_parameters"]),
             tuple(StageFacts.from_json(s) for s in d["stages"]),
         )
 
 
-def measure_stash_bytes(stage: nn.Module, inputs: tuple[Tensor, ...],
-                        loss: Callable[[Tensor], Tensor] | None = None) -> int:
+def measure_stash_bytes(
+    stage: nn.Module, inputs: tuple[Tensor, ...], loss: Callable[[Tensor], Tensor] | None = None
+) -> int:
     """Bytes autograd saves for the backward during one forward of `stage` on `inputs`.
 
     Floating inputs are treated as received activations (leaves requiring grad); `loss`, if

@@ -8,8 +8,8 @@ list of block counts per stage (each ≥ 1); the policy `node -> stage` is hande
 `torch.fx.passes.split_module.split_module(..., keep_original_order=True)`.
 
 Policies: `uniform` (equal block counts, the first `L mod S` stages one more), `balanced`
-(contiguous blocks minimising the largest per-stage cost, embedding and head included), or an
-explicit list.
+(contiguous blocks minimising the largest per-stage cost, embedding and head included, then the
+spread of the others), or an explicit list.
 """
 
 from __future__ import annotations
@@ -70,8 +70,16 @@ def uniform(n_blocks: int, n_stages: int) -> list[int]:
 def balanced(costs: list[int], n_stages: int) -> list[int]:
     """Block counts of the contiguous split of `costs` whose most expensive stage is cheapest.
 
-    Exact dynamic programme, O(S·L²); ties go to the split found first (deterministic).
+    Among the splits reaching that optimum, the one with the smallest sum of squared stage
+    costs, so stages other than the bottleneck are even too. Two exact dynamic programmes,
+    O(S·L²) each; remaining ties go to the split found first (deterministic).
     """
+    bottleneck = _split_dp(costs, n_stages, lambda prev, seg: max(prev, seg), float("inf"))[0]
+    return _split_dp(costs, n_stages, lambda prev, seg: prev + seg * seg, bottleneck)[1]
+
+
+def _split_dp(costs: list[int], n_stages: int, combine, cap: float) -> tuple[float, list[int]]:  # type: ignore[no-untyped-def]
+    """Minimise `combine`-folded stage costs over contiguous splits with no stage above `cap`."""
     n = len(costs)
     prefix = [0]
     for c in costs:
@@ -83,17 +91,22 @@ def balanced(costs: list[int], n_stages: int) -> list[int]:
     for s in range(1, n_stages + 1):
         for i in range(s, n - (n_stages - s) + 1):
             for j in range(s - 1, i):
-                candidate = max(best[s - 1][j], prefix[i] - prefix[j])
+                segment = prefix[i] - prefix[j]
+                if segment > cap or best[s - 1][j] == inf:
+                    continue
+                candidate = combine(best[s - 1][j], segment)
                 if candidate < best[s][i]:
                     best[s][i], cut[s][i] = candidate, j
     counts, i = [], n
     for s in range(n_stages, 0, -1):
         counts.append(i - cut[s][i])
         i = cut[s][i]
-    return counts[::-1]
+    return best[n_stages][n], counts[::-1]
 
 
-def resolve(partition: str | list[int], block_costs: list[int], n_stages: int) -> tuple[str, list[int]]:
+def resolve(
+    partition: str | list[int], block_costs: list[int], n_stages: int
+) -> tuple[str, list[int]]:
     """(mode, block counts) for a partition argument: a mode name, "3,2,2,1", or a list."""
     n_blocks = len(block_costs)
     if not 1 <= n_stages <= n_blocks:
@@ -122,8 +135,9 @@ def resolve(partition: str | list[int], block_costs: list[int], n_stages: int) -
     return "explicit", counts
 
 
-def split(gm: fx.GraphModule, model: nn.Module, block_of: dict[fx.Node, int],
-          counts: list[int]) -> list[fx.GraphModule]:
+def split(
+    gm: fx.GraphModule, model: nn.Module, block_of: dict[fx.Node, int], counts: list[int]
+) -> list[fx.GraphModule]:
     """Stage graph modules in order, chained: stage k's outputs are stage k+1's inputs, in order.
 
     Stage modules keep the model's parameter names (`blocks.3.attn.qkv.weight`) and share the
@@ -133,8 +147,13 @@ def split(gm: fx.GraphModule, model: nn.Module, block_of: dict[fx.Node, int],
     """
     stage_of_block = [s for s, c in enumerate(counts) for _ in range(c)]
     qualnames: dict[str, str] = {}
-    root = split_module(gm, model, lambda node: stage_of_block[block_of[node]],
-                        qualname_map=qualnames, keep_original_order=True)
+    root = split_module(
+        gm,
+        model,
+        lambda node: stage_of_block[block_of[node]],
+        qualname_map=qualnames,
+        keep_original_order=True,
+    )
     calls = [n for n in root.graph.nodes if n.op == "call_module"]
     assert [c.target for c in calls] == [f"submod_{k}" for k in range(len(counts))], calls
     inputs = [n for n in root.graph.nodes if n.op == "placeholder"]
@@ -147,7 +166,7 @@ def split(gm: fx.GraphModule, model: nn.Module, block_of: dict[fx.Node, int],
             if arg.op == "get_attr":
                 _inline_get_attr(graph, ph, str(arg.target))
             else:
-                order[ph] = _source_index(arg, k, calls, inputs, model)
+                order[ph] = _source_index(root, arg, k, calls, inputs, model)
         if k == 0 and sorted(order.values()) != list(range(len(inputs))):
             raise FrontendError(
                 f"every input of {type(model).__name__}.forward must be used by the first stage"
@@ -186,8 +205,14 @@ def _inline_get_attr(graph: fx.Graph, placeholder: fx.Node, target: str) -> None
     graph.erase_node(placeholder)
 
 
-def _source_index(arg: fx.Node, k: int, calls: list[fx.Node], inputs: list[fx.Node],
-                  model: nn.Module) -> int:
+def _source_index(
+    root: fx.GraphModule,
+    arg: fx.Node,
+    k: int,
+    calls: list[fx.Node],
+    inputs: list[fx.Node],
+    model: nn.Module,
+) -> int:
     """Position of `arg` in what stage k receives: the model inputs (k = 0) or stage k-1's outputs."""
     if k == 0:
         if arg in inputs:
@@ -200,10 +225,11 @@ def _source_index(arg: fx.Node, k: int, calls: list[fx.Node], inputs: list[fx.No
     if arg in inputs:
         source = f"model input '{arg.name}'"
     else:
-        producer = arg.args[0] if arg.op == "call_function" else arg
-        source = f"value '{arg.name}' of stage {calls.index(producer)}"
+        producer, index = (arg.args[0], arg.args[1]) if arg.op == "call_function" else (arg, 0)
+        values = next(n for n in getattr(root, producer.target).graph.nodes if n.op == "output")
+        value = values.args[0][index] if isinstance(values.args[0], tuple) else values.args[0]
+        source = f"value '{value}' of stage {calls.index(producer)}"
     raise FrontendError(
         f"{source} is used by stage {k} of {type(model).__name__}; stages only pass tensors to "
         "the next stage, so compute it inside each block or carry it in the residual stream"
     )
-

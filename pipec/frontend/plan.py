@@ -39,10 +39,19 @@ class _Traced:
     block_of: dict[fx.Node, int]
 
 
-def build_model_plan(spec: str | ModelSpec, n_stages: int, partition: Partition = "balanced",
-                     profile: bool = False, *, v: int = 1, replicas: int = 1,
-                     seed: int = DEFAULT_SEED, flops_per_s: float = DEFAULT_FLOPS_PER_S,
-                     runs: int = 5, progress: bool = True) -> ModelPlan:
+def build_model_plan(
+    spec: str | ModelSpec,
+    n_stages: int,
+    partition: Partition = "balanced",
+    profile: bool = False,
+    *,
+    v: int = 1,
+    replicas: int = 1,
+    seed: int = DEFAULT_SEED,
+    flops_per_s: float = DEFAULT_FLOPS_PER_S,
+    runs: int = 5,
+    progress: bool = True,
+) -> ModelPlan:
     """Trace, partition and measure the model of `spec` for `n_stages` = p·v stages.
 
     partition: "balanced" (default), "uniform", "3,2,2,1" or [3, 2, 2, 1] (blocks per stage).
@@ -64,9 +73,11 @@ def build_model_plan(spec: str | ModelSpec, n_stages: int, partition: Partition 
     stages = split(traced.gm, ms.model, traced.block_of, counts)
     inputs = _stage_inputs(stages, ms.example_inputs)
     starts = [sum(counts[:k]) for k in range(n_stages)]
-    stage_flops = [sum(block_flops[a:a + c], Flops()) for a, c in zip(starts, counts)]
-    stashes = [measure_stash_bytes(st, x, _last_loss(ms) if k == n_stages - 1 else None)
-               for k, (st, x) in enumerate(zip(stages, inputs))]
+    stage_flops = [sum(block_flops[a : a + c], Flops()) for a, c in zip(starts, counts)]
+    stashes = [
+        measure_stash_bytes(st, x, _last_loss(ms) if k == n_stages - 1 else None)
+        for k, (st, x) in enumerate(zip(stages, inputs))
+    ]
     if profile:
         from pipec.frontend.profile import profile_stages  # imports the runtime package
 
@@ -75,37 +86,52 @@ def build_model_plan(spec: str | ModelSpec, n_stages: int, partition: Partition 
         except ValueError as e:
             raise FrontendError(f"cannot profile {_name(spec)}: {e}") from e
     else:
-        seconds = [Costs(f.F / flops_per_s, f.B / flops_per_s, f.W / flops_per_s)
-                   for f in stage_flops]
+        seconds = [
+            Costs(f.F / flops_per_s, f.B / flops_per_s, f.W / flops_per_s) for f in stage_flops
+        ]
     facts = []
     for k, stage in enumerate(stages):
         outputs = inputs[k + 1] if k + 1 < n_stages else (stage(*inputs[k]).detach(),)
         out_names = _input_names(stages[k + 1]) if k + 1 < n_stages else ("output",)
         params = _unique_parameters(stage)
-        facts.append(StageFacts(
-            stage=k,
-            blocks=(starts[k], starts[k] + counts[k]),
-            inputs=tuple(TensorFacts.of(n, t) for n, t in zip(_input_names(stage), inputs[k])),
-            outputs=tuple(TensorFacts.of(n, t) for n, t in zip(out_names, outputs)),
-            params=sum(p.numel() for p in params),
-            param_bytes=sum(p.numel() * p.element_size() for p in params),
-            stash_bytes=stashes[k],
-            flops=Costs(stage_flops[k].F, stage_flops[k].B, stage_flops[k].W),
-            seconds=seconds[k],
-        ))
+        facts.append(
+            StageFacts(
+                stage=k,
+                blocks=(starts[k], starts[k] + counts[k]),
+                inputs=tuple(TensorFacts.of(n, t) for n, t in zip(_input_names(stage), inputs[k])),
+                outputs=tuple(TensorFacts.of(n, t) for n, t in zip(out_names, outputs)),
+                params=sum(p.numel() for p in params),
+                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                stash_bytes=stashes[k],
+                flops=Costs(stage_flops[k].F, stage_flops[k].B, stage_flops[k].W),
+                seconds=seconds[k],
+            )
+        )
     return ModelPlan(
         spec=spec if isinstance(spec, str) else None,
-        seed=seed, n_stages=n_stages, p=n_stages // v, v=v, replicas=replicas,
-        blocks_path=traced.blocks_path, n_blocks=traced.n_blocks,
-        partition_mode=mode, partition=tuple(counts),
-        cost_source="profile" if profile else "estimate", flops_per_s=flops_per_s,
+        seed=seed,
+        n_stages=n_stages,
+        p=n_stages // v,
+        v=v,
+        replicas=replicas,
+        blocks_path=traced.blocks_path,
+        n_blocks=traced.n_blocks,
+        partition_mode=mode,
+        partition=tuple(counts),
+        cost_source="profile" if profile else "estimate",
+        flops_per_s=flops_per_s,
         device=str(ms.example_inputs[0].device),
-        tied=_tied(stages), stages=tuple(facts),
+        tied=_tied(stages),
+        stages=tuple(facts),
     )
 
 
-def split_model(spec: str | ModelSpec, n_stages: int, partition: Partition = "balanced",
-                seed: int = DEFAULT_SEED) -> list[fx.GraphModule]:
+def split_model(
+    spec: str | ModelSpec,
+    n_stages: int,
+    partition: Partition = "balanced",
+    seed: int = DEFAULT_SEED,
+) -> list[fx.GraphModule]:
     """The model's stages in order; chaining them computes exactly the unsplit forward."""
     traced = _trace(spec, seed)
     _, counts = resolve(partition, [f.total for f in _block_flops(traced)], n_stages)
@@ -167,7 +193,9 @@ def _last_loss(ms: ModelSpec):  # type: ignore[no-untyped-def]
     return lambda out: ms.loss_fn(out, ms.example_target)
 
 
-def _stage_inputs(stages: list[fx.GraphModule], example: tuple[Tensor, ...]) -> list[tuple[Tensor, ...]]:
+def _stage_inputs(
+    stages: list[fx.GraphModule], example: tuple[Tensor, ...]
+) -> list[tuple[Tensor, ...]]:
     """Each stage's input for the example micro-batch (forward only, no autograd)."""
     inputs, x = [], example
     with torch.no_grad():

@@ -48,9 +48,14 @@ class ProgressBar:
         self.stream.write(f"{prefix}[{bar}] {self.done}/{self.total} {self.label}")
 
 
-def profile_stages(stages: list[nn.Module], stage_inputs: list[tuple[Tensor, ...]],
-                   loss: Callable[[Tensor], Tensor], runs: int = 5, warmup: int = 1,
-                   progress: bool = True) -> list[Costs]:
+def profile_stages(
+    stages: list[nn.Module],
+    stage_inputs: list[tuple[Tensor, ...]],
+    loss: Callable[[Tensor], Tensor],
+    runs: int = 5,
+    warmup: int = 1,
+    progress: bool = True,
+) -> list[Costs]:
     """Median seconds of F, B, W per stage over `runs` timed runs after `warmup` untimed ones.
 
     `stage_inputs[k]` is one micro-batch's input to stage k; `loss` is applied to the last

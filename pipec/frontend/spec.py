@@ -55,8 +55,10 @@ class ModelSpec:
                 f"ModelSpec.model must be an nn.Module, got {type(self.model).__name__}"
             )
         inputs = self.example_inputs
-        if not isinstance(inputs, tuple) or not inputs or not all(
-            isinstance(x, Tensor) for x in inputs
+        if (
+            not isinstance(inputs, tuple)
+            or not inputs
+            or not all(isinstance(x, Tensor) for x in inputs)
         ):
             raise FrontendError(
                 "ModelSpec.example_inputs must be a non-empty tuple of tensors (one micro-batch),"
@@ -92,8 +94,10 @@ def load_factory(spec: str, seed: int = DEFAULT_SEED) -> ModelSpec:
             f"model spec {spec!r}: {where} has no factory {name!r} (available: {available})"
         )
     if not callable(factory):
-        raise FrontendError(f"model spec {spec!r}: {name!r} is a {type(factory).__name__}, "
-                            "not a function returning a ModelSpec")
+        raise FrontendError(
+            f"model spec {spec!r}: {name!r} is a {type(factory).__name__}, "
+            "not a function returning a ModelSpec"
+        )
     torch.manual_seed(seed)
     try:
         result = factory()
@@ -162,7 +166,8 @@ def _factories(module: ModuleType) -> list[str]:
         if obj.__module__ != module.__name__:
             continue
         params = inspect.signature(obj).parameters.values()
-        if all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-               for p in params):
+        if all(
+            p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params
+        ):
             names.append(name)
     return sorted(names)

@@ -27,8 +27,11 @@ _FRONTEND_DIR = str(Path(__file__).parent)
 class _Tracer(torch.fx.Tracer):
     """A Tracer that remembers which module was being traced when an exception escaped."""
 
-    def __init__(self, leaf_modules: tuple[type[nn.Module], ...],
-                 autowrap_functions: tuple[Callable[..., Any], ...]) -> None:
+    def __init__(
+        self,
+        leaf_modules: tuple[type[nn.Module], ...],
+        autowrap_functions: tuple[Callable[..., Any], ...],
+    ) -> None:
         super().__init__(autowrap_functions=autowrap_functions)
         self._leaf_types = leaf_modules
 
@@ -98,29 +101,38 @@ def _explain(e: Exception, model: nn.Module) -> str:
     module = f"module '{path}' ({type_name})" if path else f"the top-level module ({type_name})"
     frame = _user_frame(e)
     where = f"{frame.filename}:{frame.lineno}" if frame else "unknown location"
-    code = (linecache.getline(frame.filename, frame.lineno).strip() if frame else "")
+    code = linecache.getline(frame.filename, frame.lineno).strip() if frame else ""
     quoted = f" `{code}`" if code else ""
     message = str(e).splitlines()[0] if str(e) else type(e).__name__
     if isinstance(e, torch.fx.proxy.TraceError) and "control flow" in message:
         if code.startswith("assert"):
-            what = ("a Python assert on a traced value", "remove the assert or pass a concrete "
-                    "argument (ModelSpec.concrete_args)")
+            what = (
+                "a Python assert on a traced value",
+                "remove the assert or pass a concrete argument (ModelSpec.concrete_args)",
+            )
         else:
-            what = ("control flow depends on a traced value", "move the branch out or pass a "
-                    "concrete argument (ModelSpec.concrete_args)")
+            what = (
+                "control flow depends on a traced value",
+                "move the branch out or pass a concrete argument (ModelSpec.concrete_args)",
+            )
     elif isinstance(e, TypeError) and ("slice indices" in message or "indices must be" in message):
-        what = ("a tensor is sliced by a traced size", "slice with a constant, or mark the module "
-                "a leaf (ModelSpec.leaf_modules)")
+        what = (
+            "a tensor is sliced by a traced size",
+            "slice with a constant, or mark the module a leaf (ModelSpec.leaf_modules)",
+        )
     else:
-        what = (f"{type(e).__name__}: {message}", "make the failing code traceable, or mark the "
-                "module a leaf (ModelSpec.leaf_modules)")
+        what = (
+            f"{type(e).__name__}: {message}",
+            "make the failing code traceable, or mark the module a leaf (ModelSpec.leaf_modules)",
+        )
     return f"cannot trace {module} at {where}:{quoted} {what[0]}; {what[1]}"
 
 
 def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
     """The innermost traceback frame outside torch and pipec.frontend: the user's failing line."""
     frames = [
-        f for f in traceback.extract_tb(e.__traceback__)
+        f
+        for f in traceback.extract_tb(e.__traceback__)
         if not f.filename.startswith((_TORCH_DIR, _FRONTEND_DIR)) and not f.filename.startswith("<")
     ]
     return frames[-1] if frames else None
