@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, fx, nn
+from torch import Tensor, fx
 
 from pipec.frontend.cost import Flops, loss_flops, node_flops
 from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, measure_stash_bytes
@@ -71,18 +71,20 @@ def build_model_plan(
     block_flops = _block_flops(traced)
     mode, counts = resolve(partition, [f.total for f in block_flops], n_stages)
     stages = split(traced.gm, ms.model, traced.block_of, counts)
-    inputs = _stage_inputs(stages, ms.example_inputs)
+    inputs = _boundaries(stages, ms.example_inputs)
     starts = [sum(counts[:k]) for k in range(n_stages)]
     stage_flops = [sum(block_flops[a : a + c], Flops()) for a, c in zip(starts, counts)]
     stashes = [
         measure_stash_bytes(st, x, _last_loss(ms) if k == n_stages - 1 else None)
-        for k, (st, x) in enumerate(zip(stages, inputs))
+        for k, (st, x) in enumerate(zip(stages, inputs[:-1]))
     ]
     if profile:
         from pipec.frontend.profile import profile_stages  # imports the runtime package
 
         try:
-            seconds = profile_stages(stages, inputs, _last_loss(ms), runs=runs, progress=progress)
+            seconds = profile_stages(
+                stages, inputs[:-1], _last_loss(ms), runs=runs, progress=progress
+            )
         except ValueError as e:
             raise FrontendError(f"cannot profile {_name(spec)}: {e}") from e
     else:
@@ -91,9 +93,9 @@ def build_model_plan(
         ]
     facts = []
     for k, stage in enumerate(stages):
-        outputs = inputs[k + 1] if k + 1 < n_stages else (stage(*inputs[k]).detach(),)
+        outputs = inputs[k + 1]
         out_names = _input_names(stages[k + 1]) if k + 1 < n_stages else ("output",)
-        params = _unique_parameters(stage)
+        params = list(stage.parameters())  # each shared tensor once
         facts.append(
             StageFacts(
                 stage=k,
@@ -158,7 +160,7 @@ def build_stages(spec: str | None, plan_json: dict, stages: list[int]) -> list[f
     for k in stages:
         if not 0 <= k < plan.n_stages:
             raise FrontendError(f"stage {k} does not exist: the plan has {plan.n_stages} stages")
-        params = sum(p.numel() for p in _unique_parameters(modules[k]))
+        params = sum(p.numel() for p in modules[k].parameters())
         if params != plan.stages[k].params:
             raise FrontendError(
                 f"stage {k} of {spec} has {params} parameters, the plan {plan.stages[k].params};"
@@ -193,25 +195,21 @@ def _last_loss(ms: ModelSpec):  # type: ignore[no-untyped-def]
     return lambda out: ms.loss_fn(out, ms.example_target)
 
 
-def _stage_inputs(
+def _boundaries(
     stages: list[fx.GraphModule], example: tuple[Tensor, ...]
 ) -> list[tuple[Tensor, ...]]:
-    """Each stage's input for the example micro-batch (forward only, no autograd)."""
-    inputs, x = [], example
+    """Every stage's input for the example micro-batch, then the model output (no autograd)."""
+    values, x = [example], example
     with torch.no_grad():
         for stage in stages:
-            inputs.append(x)
             y = stage(*x)
             x = (y,) if isinstance(y, Tensor) else tuple(y)
-    return inputs
+            values.append(x)
+    return values
 
 
 def _input_names(stage: fx.GraphModule) -> tuple[str, ...]:
     return tuple(n.name for n in stage.graph.nodes if n.op == "placeholder")
-
-
-def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:
-    return list(module.parameters())  # parameters() already skips duplicates (tied weights)
 
 
 def _tied(stages: list[fx.GraphModule]) -> tuple[tuple[tuple[int, str], ...], ...]:
