@@ -1,0 +1,25 @@
+"""The pipec frontend: model factories, torch.fx tracing, stage partitioning, stage facts.
+
+The compiler calls `build_model_plan`; the runtime calls `build_stages`; `split_model` returns
+the stage modules for tests and tools. See pipec/frontend/README_SECTION.md.
+"""
+
+from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, measure_stash_bytes
+from pipec.frontend.plan import DEFAULT_FLOPS_PER_S, build_model_plan, build_stages, split_model
+from pipec.frontend.spec import DEFAULT_SEED, FrontendError, ModelSpec, load_factory
+
+__all__ = [
+    "DEFAULT_FLOPS_PER_S",
+    "DEFAULT_SEED",
+    "Costs",
+    "FrontendError",
+    "ModelPlan",
+    "ModelSpec",
+    "StageFacts",
+    "TensorFacts",
+    "build_model_plan",
+    "build_stages",
+    "load_factory",
+    "measure_stash_bytes",
+    "split_model",
+]

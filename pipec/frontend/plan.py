@@ -1,0 +1,221 @@
+"""The frontend driver: factory → trace → partition → stage facts, and stage rebuilding.
+
+Public entry points (re-exported by `pipec.frontend`):
+
+- `build_model_plan(spec, n_stages, partition, profile)` → `ModelPlan` for the compiler.
+- `split_model(spec, n_stages, partition)` → the stage `GraphModule`s, in order.
+- `build_stages(spec, plan_json, stages)` → the given stages' modules, rebuilt by the runtime
+  from the factory with the plan's seed and partition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, fx
+
+from pipec.frontend.cost import Flops, loss_flops, node_flops
+from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, measure_stash_bytes
+from pipec.frontend.partition import block_of_nodes, find_blocks, resolve, split
+from pipec.frontend.spec import DEFAULT_SEED, FrontendError, ModelSpec, load_factory
+from pipec.frontend.trace import trace
+
+# Converts estimated FLOPs to seconds when not profiling: a round number of the order of one
+# modern accelerator's sustained dense throughput. Only ratios matter to the scheduler.
+DEFAULT_FLOPS_PER_S = 100e12
+
+Partition = str | list[int]
+
+
+@dataclass(frozen=True)
+class _Traced:
+    """A traced model with its blocks located."""
+
+    spec: ModelSpec
+    gm: fx.GraphModule
+    blocks_path: str
+    n_blocks: int
+    block_of: dict[fx.Node, int]
+
+
+def build_model_plan(
+    spec: str | ModelSpec,
+    n_stages: int,
+    partition: Partition = "balanced",
+    profile: bool = False,
+    *,
+    v: int = 1,
+    replicas: int = 1,
+    seed: int = DEFAULT_SEED,
+    flops_per_s: float = DEFAULT_FLOPS_PER_S,
+    runs: int = 5,
+    progress: bool = True,
+) -> ModelPlan:
+    """Trace, partition and measure the model of `spec` for `n_stages` = p·v stages.
+
+    partition: "balanced" (default), "uniform", "3,2,2,1" or [3, 2, 2, 1] (blocks per stage).
+    profile: time F, B, W of every stage on the local device (median of `runs`, progress bar
+        on stderr unless `progress=False`) instead of converting estimated FLOPs at
+        `flops_per_s`. FLOPs are recorded either way.
+    v: chunks per rank (n_stages must be a multiple); replicas: 1, or 2 for bidirectional
+        schedules (recorded; `build_stages` is called once per replica).
+    Raises FrontendError with a one-line message for any problem with the model or arguments.
+    """
+    if n_stages < 1 or v < 1 or n_stages % v:
+        raise FrontendError(f"n_stages={n_stages} must be a positive multiple of v={v} (S = p·v)")
+    if replicas not in (1, 2):
+        raise FrontendError(f"replicas={replicas}: use 1, or 2 for bidirectional schedules")
+    traced = _trace(spec, seed)
+    ms = traced.spec
+    block_flops = _block_flops(traced)
+    mode, counts = resolve(partition, [f.total for f in block_flops], n_stages)
+    stages = split(traced.gm, ms.model, traced.block_of, counts)
+    inputs = _boundaries(stages, ms.example_inputs)
+    starts = [sum(counts[:k]) for k in range(n_stages)]
+    stage_flops = [sum(block_flops[a : a + c], Flops()) for a, c in zip(starts, counts)]
+    stashes = [
+        measure_stash_bytes(st, x, _last_loss(ms) if k == n_stages - 1 else None)
+        for k, (st, x) in enumerate(zip(stages, inputs[:-1]))
+    ]
+    if profile:
+        from pipec.frontend.profile import profile_stages  # imports the runtime package
+
+        try:
+            seconds = profile_stages(
+                stages, inputs[:-1], _last_loss(ms), runs=runs, progress=progress
+            )
+        except ValueError as e:
+            raise FrontendError(f"cannot profile {_name(spec)}: {e}") from e
+    else:
+        seconds = [
+            Costs(f.F / flops_per_s, f.B / flops_per_s, f.W / flops_per_s) for f in stage_flops
+        ]
+    facts = []
+    for k, stage in enumerate(stages):
+        outputs = inputs[k + 1]
+        out_names = _input_names(stages[k + 1]) if k + 1 < n_stages else ("output",)
+        params = list(stage.parameters())  # each shared tensor once
+        facts.append(
+            StageFacts(
+                stage=k,
+                blocks=(starts[k], starts[k] + counts[k]),
+                inputs=tuple(TensorFacts.of(n, t) for n, t in zip(_input_names(stage), inputs[k])),
+                outputs=tuple(TensorFacts.of(n, t) for n, t in zip(out_names, outputs)),
+                params=sum(p.numel() for p in params),
+                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                stash_bytes=stashes[k],
+                flops=Costs(stage_flops[k].F, stage_flops[k].B, stage_flops[k].W),
+                seconds=seconds[k],
+            )
+        )
+    return ModelPlan(
+        spec=spec if isinstance(spec, str) else None,
+        seed=seed,
+        n_stages=n_stages,
+        p=n_stages // v,
+        v=v,
+        replicas=replicas,
+        blocks_path=traced.blocks_path,
+        n_blocks=traced.n_blocks,
+        partition_mode=mode,
+        partition=tuple(counts),
+        cost_source="profile" if profile else "estimate",
+        flops_per_s=flops_per_s,
+        device=str(ms.example_inputs[0].device),
+        tied=_tied(stages),
+        stages=tuple(facts),
+    )
+
+
+def split_model(
+    spec: str | ModelSpec,
+    n_stages: int,
+    partition: Partition = "balanced",
+    seed: int = DEFAULT_SEED,
+) -> list[fx.GraphModule]:
+    """The model's stages in order; chaining them computes exactly the unsplit forward."""
+    traced = _trace(spec, seed)
+    _, counts = resolve(partition, [f.total for f in _block_flops(traced)], n_stages)
+    return split(traced.gm, traced.spec.model, traced.block_of, counts)
+
+
+def build_stages(spec: str | None, plan_json: dict, stages: list[int]) -> list[fx.GraphModule]:
+    """Rebuild the factory with the plan's seed and partition; return `stages`' modules in order.
+
+    `spec` None uses the plan's own. Raises FrontendError when the model no longer matches the
+    plan (different blocks or parameter counts).
+    """
+    plan = ModelPlan.from_json(plan_json)
+    spec = spec or plan.spec
+    if spec is None:
+        raise FrontendError("the plan was built from a ModelSpec object; pass the factory spec")
+    traced = _trace(spec, plan.seed)
+    if (traced.blocks_path, traced.n_blocks) != (plan.blocks_path, plan.n_blocks):
+        raise FrontendError(
+            f"{spec} now has {traced.n_blocks} blocks in {traced.blocks_path}, the plan "
+            f"{plan.n_blocks} in {plan.blocks_path}; recompile"
+        )
+    modules = split(traced.gm, traced.spec.model, traced.block_of, list(plan.partition))
+    for k in stages:
+        if not 0 <= k < plan.n_stages:
+            raise FrontendError(f"stage {k} does not exist: the plan has {plan.n_stages} stages")
+        params = sum(p.numel() for p in modules[k].parameters())
+        if params != plan.stages[k].params:
+            raise FrontendError(
+                f"stage {k} of {spec} has {params} parameters, the plan {plan.stages[k].params};"
+                " the model changed since compiling: recompile"
+            )
+    return [modules[k] for k in stages]
+
+
+def _trace(spec: str | ModelSpec, seed: int) -> _Traced:
+    ms = load_factory(spec, seed) if isinstance(spec, str) else spec
+    gm = trace(ms)
+    blocks_path, n_blocks = find_blocks(ms.model)
+    return _Traced(ms, gm, blocks_path, n_blocks, block_of_nodes(gm, blocks_path, n_blocks))
+
+
+def _block_flops(traced: _Traced) -> list[Flops]:
+    """Estimated FLOPs per block; nodes outside blocks and the loss count with their block."""
+    flops = node_flops(traced.gm, traced.spec.example_inputs)
+    per_block = [Flops()] * traced.n_blocks
+    for node, f in flops.items():
+        per_block[traced.block_of[node]] += f
+    per_block[-1] += loss_flops(traced.gm)
+    return per_block
+
+
+def _name(spec: str | ModelSpec) -> str:
+    return spec if isinstance(spec, str) else type(spec.model).__name__
+
+
+def _last_loss(ms: ModelSpec):  # type: ignore[no-untyped-def]
+    """The last stage's tail: output -> loss on the example target."""
+    return lambda out: ms.loss_fn(out, ms.example_target)
+
+
+def _boundaries(
+    stages: list[fx.GraphModule], example: tuple[Tensor, ...]
+) -> list[tuple[Tensor, ...]]:
+    """Every stage's input for the example micro-batch, then the model output (no autograd)."""
+    values, x = [example], example
+    with torch.no_grad():
+        for stage in stages:
+            y = stage(*x)
+            x = (y,) if isinstance(y, Tensor) else tuple(y)
+            values.append(x)
+    return values
+
+
+def _input_names(stage: fx.GraphModule) -> tuple[str, ...]:
+    return tuple(n.name for n in stage.graph.nodes if n.op == "placeholder")
+
+
+def _tied(stages: list[fx.GraphModule]) -> tuple[tuple[tuple[int, str], ...], ...]:
+    """Parameters held by more than one stage, as ((stage, name), …) groups."""
+    holders: dict[int, list[tuple[int, str]]] = {}
+    for k, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            holders.setdefault(id(p), []).append((k, name))
+    return tuple(tuple(h) for h in holders.values() if len({k for k, _ in h}) > 1)

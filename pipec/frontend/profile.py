@@ -1,0 +1,101 @@
+"""Measure each stage's F, B and W on the local device: median of several runs.
+
+Stages are prepared with `runtime.bwsplit.split_backward`, so B and W are the same code the
+runtime executes. A small progress bar on stderr shows the runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+import torch
+from torch import Tensor, nn
+
+from pipec.frontend.facts import Costs
+from runtime.bwsplit import B, W, split_backward
+
+
+class ProgressBar:
+    """`[#####.....] 12/40 label` on one line of stderr; no dependencies.
+
+    On a terminal the line is redrawn in place after every step; elsewhere (logs, CI) only the
+    finished line is written, so logs get one line instead of `total` carriage returns.
+    """
+
+    def __init__(self, total: int, label: str, stream: TextIO = sys.stderr, width: int = 30):
+        self.total, self.label, self.stream, self.width = total, label, stream, width
+        self.done = 0
+        self._live = stream.isatty()
+        if self._live:
+            self._draw("\r")
+
+    def advance(self, n: int = 1) -> None:
+        self.done = min(self.total, self.done + n)
+        if self.done == self.total:
+            self._draw("\r" if self._live else "")
+            self.stream.write("\n")
+        elif self._live:
+            self._draw("\r")
+        self.stream.flush()
+
+    def _draw(self, prefix: str) -> None:
+        filled = self.width * self.done // max(self.total, 1)
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(f"{prefix}[{bar}] {self.done}/{self.total} {self.label}")
+
+
+def profile_stages(
+    stages: list[nn.Module],
+    stage_inputs: list[tuple[Tensor, ...]],
+    loss: Callable[[Tensor], Tensor],
+    runs: int = 5,
+    warmup: int = 1,
+    progress: bool = True,
+) -> list[Costs]:
+    """Median seconds of F, B, W per stage over `runs` timed runs after `warmup` untimed ones.
+
+    `stage_inputs[k]` is one micro-batch's input to stage k; `loss` is applied to the last
+    stage's output inside F (and differentiated in B). Mutates the stages (split_backward) and
+    leaves their `.grad`s set to None.
+    """
+    device = next(iter(stage_inputs[0])).device
+    if device.type == "meta":
+        raise ValueError("cannot profile a model on the meta device; use the FLOP estimate")
+    bar = ProgressBar(len(stages) * (warmup + runs), "profiling F/B/W") if progress else None
+    results = []
+    for k, (stage, inputs) in enumerate(zip(stages, stage_inputs, strict=True)):
+        split_backward(stage)
+        last = k == len(stages) - 1
+        times: list[tuple[float, float, float]] = []
+        for run in range(warmup + runs):
+            for p in stage.parameters():
+                p.grad = None
+            leaves = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in inputs)
+            t0 = _now(device)
+            out = stage(*leaves)
+            if last:
+                out = loss(out)
+            t1 = _now(device)
+            B(stage, run, out, None if last else torch.ones_like(out), leaves)
+            t2 = _now(device)
+            W(stage, run)
+            t3 = _now(device)
+            if run >= warmup:
+                times.append((t1 - t0, t2 - t1, t3 - t2))
+            if bar:
+                bar.advance()
+        for p in stage.parameters():
+            p.grad = None
+        f, b, w = (statistics.median(t[i] for t in times) for i in range(3))
+        results.append(Costs(f, b, w))
+    return results
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

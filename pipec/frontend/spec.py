@@ -1,0 +1,173 @@
+"""The factory contract: how a user hands pipec a model.
+
+A *factory* is a module-level function taking no arguments and returning a `ModelSpec`: the
+model, ONE micro-batch of example inputs, its target, and the loss applied on the last stage to
+`(output, target)`. `load_factory("path/to/file.py:name")` or `load_factory("pkg.mod:name")`
+seeds torch and calls it, so every process that loads the same spec gets the same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+DEFAULT_SEED = 0
+
+
+class FrontendError(ValueError):
+    """A problem with the user's model or factory, with a one-line message saying the fix."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a factory returns.
+
+    model: the whole model; its forward takes `*example_inputs` and returns one tensor.
+    example_inputs: one micro-batch, positional, in forward's order.
+    example_target: the target of that micro-batch, passed to `loss_fn` on the last stage.
+    loss_fn: `(output, target) -> scalar loss`.
+    concrete_args: forward arguments to fix while tracing (`torch.fx` `concrete_args`), for
+        Python control flow on flags such as `if use_cache:`.
+    leaf_modules: module types torch.fx records as one opaque call instead of tracing into.
+    """
+
+    model: nn.Module
+    example_inputs: tuple[Tensor, ...]
+    example_target: Tensor
+    loss_fn: Callable[[Tensor, Tensor], Tensor]
+    concrete_args: dict[str, Any] | None = None
+    leaf_modules: tuple[type[nn.Module], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            raise FrontendError(
+                f"ModelSpec.model must be an nn.Module, got {type(self.model).__name__}"
+            )
+        inputs = self.example_inputs
+        if (
+            not isinstance(inputs, tuple)
+            or not inputs
+            or not all(isinstance(x, Tensor) for x in inputs)
+        ):
+            raise FrontendError(
+                "ModelSpec.example_inputs must be a non-empty tuple of tensors (one micro-batch),"
+                f" got {type(inputs).__name__}; wrap a single tensor as (x,)"
+            )
+        if not isinstance(self.example_target, Tensor):
+            raise FrontendError(
+                "ModelSpec.example_target must be a tensor, "
+                f"got {type(self.example_target).__name__}"
+            )
+        if not callable(self.loss_fn):
+            raise FrontendError("ModelSpec.loss_fn must be callable: (output, target) -> loss")
+
+
+def load_factory(spec: str, seed: int = DEFAULT_SEED) -> ModelSpec:
+    """Import the factory named by `spec`, seed torch with `seed`, call it, check the result.
+
+    `spec` is `path/to/file.py:factory` or `package.module:factory`. Raises `FrontendError`
+    (one line naming the input and the fix) for a malformed spec, a missing file or module, a
+    missing or non-callable factory, a factory that raises, or one that returns something other
+    than a `ModelSpec`.
+    """
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise FrontendError(
+            f"model spec {spec!r} must look like path/to/file.py:factory or package.module:factory"
+        )
+    module = _import(spec, where)
+    factory = getattr(module, name, None)
+    if factory is None:
+        available = ", ".join(_factories(module)) or "none"
+        raise FrontendError(
+            f"model spec {spec!r}: {where} has no factory {name!r} (available: {available})"
+        )
+    if not callable(factory):
+        raise FrontendError(
+            f"model spec {spec!r}: {name!r} is a {type(factory).__name__}, "
+            "not a function returning a ModelSpec"
+        )
+    torch.manual_seed(seed)
+    try:
+        result = factory()
+    except FrontendError:
+        raise
+    except Exception as e:
+        raise FrontendError(
+            f"model spec {spec!r}: the factory raised {type(e).__name__}: {e}"
+        ) from e
+    if not isinstance(result, ModelSpec):
+        raise FrontendError(
+            f"model spec {spec!r} returned {type(result).__name__}; a factory must return "
+            "pipec.frontend.ModelSpec(model, example_inputs, example_target, loss_fn)"
+        )
+    return result
+
+
+def _import(spec: str, where: str) -> ModuleType:
+    """The module a spec names: a file when `where` ends in .py or has a slash, else a module."""
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where).resolve()
+        if not path.is_file():
+            raise FrontendError(
+                f"model spec {spec!r}: no file {where} (looked in {Path.cwd()}); "
+                "pass path/to/file.py:factory or package.module:factory"
+            )
+        # One module per file: loading the same file twice reuses it (and its fx.wrap calls).
+        mod_name = "_pipec_factory_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+        if mod_name in sys.modules:
+            return sys.modules[mod_name]
+        loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+        assert loader_spec is not None and loader_spec.loader is not None
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[mod_name] = module  # dataclasses and pickling look the module up by name
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[mod_name]
+            raise FrontendError(
+                f"model spec {spec!r}: importing {where} raised {type(e).__name__}: {e}"
+            ) from e
+        return module
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (where == e.name or where.startswith(e.name + ".")):
+            raise FrontendError(
+                f"model spec {spec!r}: no module {where} ({e}); put it on PYTHONPATH "
+                "or pass path/to/file.py:factory"
+            ) from e
+        raise FrontendError(
+            f"model spec {spec!r}: importing {where} raised ModuleNotFoundError: {e}"
+        ) from e
+    except Exception as e:
+        raise FrontendError(
+            f"model spec {spec!r}: importing {where} raised {type(e).__name__}: {e}"
+        ) from e
+
+
+def _factories(module: ModuleType) -> list[str]:
+    """Functions defined in `module` callable without arguments: the likely factories."""
+    names = []
+    for name, obj in vars(module).items():
+        if name.startswith("_") or not inspect.isfunction(obj):
+            continue
+        if obj.__module__ != module.__name__:
+            continue
+        params = inspect.signature(obj).parameters.values()
+        if all(
+            p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params
+        ):
+            names.append(name)
+    return sorted(names)

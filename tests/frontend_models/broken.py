@@ -1,0 +1,81 @@
+"""Small models that torch.fx cannot trace, one pitfall each (see FACTS.md), plus fixtures.
+
+Each failing line carries a `# FAILS` marker so tests can find its line number.
+"""
+
+import torch
+from torch import Tensor, nn
+
+from pipec.frontend import ModelSpec
+
+
+class DataDependentIf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.sum() > 0:  # FAILS
+            return self.lin(x)
+        return x
+
+
+class AssertOnShape(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        assert x.size(1) <= 16  # FAILS
+        return self.lin(x)
+
+
+class MaskBufferSlice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tril(torch.ones(16, 16)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = x.size(1)
+        return x @ self.mask[:t, :t]  # FAILS
+
+
+class Decoder(nn.Module):
+    """Blocks in a ModuleList, the shape pipec partitions; `block` is the failing module."""
+
+    def __init__(self, block: type[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Identity(), block()])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _spec(block: type[nn.Module]) -> ModelSpec:
+    x = torch.randn(2, 8, 8)
+    return ModelSpec(Decoder(block), (x,), torch.zeros(()), lambda out, t: out.sum())
+
+
+def data_dependent_if() -> ModelSpec:
+    return _spec(DataDependentIf)
+
+
+def assert_on_shape() -> ModelSpec:
+    return _spec(AssertOnShape)
+
+
+def mask_buffer_slice() -> ModelSpec:
+    return _spec(MaskBufferSlice)
+
+
+def not_a_spec() -> dict:
+    return {"model": None}
+
+
+def raises() -> ModelSpec:
+    raise RuntimeError("out of coffee")
+
+
+NOT_CALLABLE = 3

@@ -1,0 +1,92 @@
+"""Tracing: the examples trace with attention as one node; untraceable models get one-line errors."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipec.frontend import FrontendError, ModelSpec, load_factory
+from pipec.frontend.trace import trace
+from runtime.kernels import attention
+
+ROOT = Path(__file__).resolve().parents[1]
+BROKEN = Path(__file__).resolve().parent / "frontend_models" / "broken.py"
+FAILING_LINES = [
+    i for i, line in enumerate(BROKEN.read_text().splitlines(), 1) if line.endswith("# FAILS")
+]
+
+
+@pytest.mark.parametrize("example", ["gpt", "llama"])
+def test_examples_trace_with_attention_as_one_call(example):
+    spec = load_factory(f"{ROOT}/examples/{example}.py:tiny")
+    gm = trace(spec)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is attention]
+    assert len(calls) == 8  # one per block
+    assert torch.equal(gm(*spec.example_inputs), spec.model(*spec.example_inputs))
+
+
+@pytest.mark.parametrize(
+    "factory, line, expected",
+    [
+        (
+            "data_dependent_if",
+            FAILING_LINES[0],
+            "control flow depends on a traced value; move the branch out or pass a concrete argument",
+        ),
+        (
+            "assert_on_shape",
+            FAILING_LINES[1],
+            "a Python assert on a traced value; remove the assert or pass a concrete argument",
+        ),
+        (
+            "mask_buffer_slice",
+            FAILING_LINES[2],
+            "a tensor is sliced by a traced size; slice with a constant, or mark the module a leaf",
+        ),
+    ],
+)
+def test_untraceable_models_name_module_location_and_fix(factory, line, expected):
+    spec = load_factory(f"{BROKEN}:{factory}")
+    with pytest.raises(FrontendError) as e:
+        trace(spec)
+    message = str(e.value)
+    assert "\n" not in message
+    assert "module 'blocks.1'" in message
+    assert f"{BROKEN}:{line}:" in message
+    assert expected in message
+
+
+def test_leaf_module_fixes_the_buffer_slice():
+    from frontend_models.broken import Decoder, MaskBufferSlice  # tests/ is on sys.path
+
+    x = torch.randn(2, 8, 8)
+    spec = ModelSpec(
+        Decoder(MaskBufferSlice),
+        (x,),
+        x,
+        torch.nn.functional.mse_loss,
+        leaf_modules=(MaskBufferSlice,),
+    )
+    assert torch.equal(trace(spec)(x), spec.model(x))
+
+
+def test_concrete_args_fix_a_flag_branch():
+    class Flagged(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+        def forward(self, x, double=False):
+            if double:
+                x = 2 * x
+            return self.blocks[0](x)
+
+    x = torch.randn(3, 4)
+    with pytest.raises(FrontendError, match="control flow"):
+        trace(ModelSpec(Flagged(), (x,), x, torch.nn.functional.mse_loss, concrete_args=None))
+    spec = ModelSpec(
+        Flagged(), (x,), x, torch.nn.functional.mse_loss, concrete_args={"double": True}
+    )
+    gm = trace(spec)
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x"]
+    assert torch.equal(gm(x), spec.model(x, double=True))
