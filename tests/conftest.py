@@ -1,8 +1,15 @@
-"""Shared test options: `pytest --update-golden` rewrites tests/golden/ instead of comparing."""
+"""Shared test set-up: `pytest --update-golden` rewrites tests/golden/; Triton interprets on CPU."""
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without CUDA the Triton kernels run under the interpreter. The flag must be set before any
+# test module imports runtime.kernels (where the kernels are decorated), so it is set here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 GOLDEN = Path(__file__).parent / "golden"
 
