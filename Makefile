@@ -15,8 +15,10 @@ $(VENV)/.installed: pyproject.toml
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# Until the runtime lands: compile an example schedule and show it.
 demo: $(VENV)/.installed
-	$(PY) examples/demo.py
+	$(PY) -m pipec compile --schedule 1f1b --pp 4 --microbatches 8 --out build/demo --force
+	$(PY) -m pipec show build/demo --lines 8
 
 clean:
 	rm -rf $(VENV) build
