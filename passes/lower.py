@@ -13,16 +13,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from passes.costs import CostModel
-from passes.simulate import play, uses_recompute
+from passes.simulate import Played, play, uses_recompute
 from pipec.ir import COMPUTE_OPS, Compiled, Instr, Op, Program, Schedule, dependencies
 
 Node = tuple[Op, int, int]
 
 
-def messages(schedule: Schedule, costs: CostModel) -> list[tuple[Node, Node]]:
+def messages(schedule: Schedule, played: Played) -> list[tuple[Node, Node]]:
     """Every cross-rank data edge (producer, consumer), in global message order."""
     layout = schedule.layout
-    times, done_order = play(layout, schedule.orders, costs)
+    times, done_order = played
     seq = {node: k for k, node in enumerate(done_order)}
     recompute = uses_recompute(schedule.orders)
     rank_of = layout.stage_rank
@@ -44,17 +44,18 @@ def _send_recv(producer: Node, consumer: Node, rank_of: Sequence[int]) -> tuple[
     return Instr(Op.SEND_GRAD, s, mb, rank_of[c]), Instr(Op.RECV_GRAD, c, mb, rank_of[s])
 
 
-def lower(schedule: Schedule, costs: CostModel) -> Compiled:
+def lower(schedule: Schedule, costs: CostModel, played: Played | None = None) -> Compiled:
     """Insert sends, receives and OPTIMIZER_STEP; the compute order of every rank is kept.
 
     On each rank a send follows its producer as closely as the global message order allows,
     and a receive is placed as late as possible: right before the first compute op that needs
-    it, or earlier only when a later message must wait behind it.
+    it, or earlier only when a later message must wait behind it. `played` reuses a `play`
+    of the schedule under `costs`.
     """
     layout = schedule.layout
     rank_of = layout.stage_rank
     per_rank: list[list[tuple[str, Instr, Node]]] = [[] for _ in schedule.orders]
-    for producer, consumer in messages(schedule, costs):
+    for producer, consumer in messages(schedule, played or play(layout, schedule.orders, costs)):
         send, recv = _send_recv(producer, consumer, rank_of)
         per_rank[rank_of[producer[1]]].append(("send", send, producer))
         per_rank[rank_of[consumer[1]]].append(("recv", recv, consumer))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from passes.costs import CostModel
 from pipec.ir import COMPUTE_OPS, Instr, Layout, Op, PipecError, dependencies
@@ -72,12 +73,15 @@ def _round(x: float) -> float:
 
 
 def uses_recompute(programs: Sequence[Sequence[Instr]]) -> bool:
-    return any(i.op is Op.RECOMPUTE for prog in programs for i in prog)
+    """Whether the programs recompute forwards (which adds RECOMPUTE to the work graph)."""
+    op_of = attrgetter("op")
+    return any(Op.RECOMPUTE in map(op_of, prog) for prog in programs)  # scans in C
 
 
-def play(
-    layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostModel
-) -> tuple[dict[Node, tuple[float, float]], list[Node]]:
+Played = tuple[dict[Node, tuple[float, float]], list[Node]]
+
+
+def play(layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostModel) -> Played:
     """Start and end time of every compute op, and the order in which they completed.
 
     The completion order is a topological order of program order plus data edges, and ends
@@ -94,6 +98,8 @@ def play(
     clock = [0.0] * len(compute)
     ready = list(range(len(compute)))
     comm = costs.comm
+    durations: dict[tuple[Op, int], float] = {}
+    memo = layout._dependency_cache[recompute]  # read inline: this loop is the hot path
     while ready:
         r = ready.pop()
         order, k, t = compute[r], pos[r], clock[r]
@@ -102,7 +108,7 @@ def play(
             node = (instr.op, instr.stage, instr.mb)
             start = t
             blocked = None
-            for dep in dependencies(layout, node, recompute):
+            for dep in memo.get(node) or dependencies(layout, node, recompute):
                 finished = times.get(dep)
                 if finished is None:
                     blocked = dep
@@ -113,7 +119,10 @@ def play(
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(r)
                 break
-            t = start + costs.duration(instr, layout)
+            d = durations.get((instr.op, instr.stage))
+            if d is None:
+                d = durations[(instr.op, instr.stage)] = costs.duration(instr, layout)
+            t = start + d
             times[node] = (start, t)
             done_order.append(node)
             ready.extend(waiting.pop(node, ()))
@@ -138,9 +147,17 @@ def activation_profile(
     return out
 
 
-def simulate(layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostModel) -> SimResult:
-    """Simulate the programs (compute orders or lowered programs) under `costs`."""
-    times, _ = play(layout, programs, costs)
+def simulate(
+    layout: Layout,
+    programs: Sequence[Sequence[Instr]],
+    costs: CostModel,
+    played: Played | None = None,
+) -> SimResult:
+    """Simulate the programs (compute orders or lowered programs) under `costs`.
+
+    `played` reuses a `play` of the same compute orders (lowering keeps them), saving a pass.
+    """
+    times, _ = played or play(layout, programs, costs)
     recompute = uses_recompute(programs)
     timeline, ranks = [], []
     for prog in programs:

@@ -121,9 +121,11 @@ def check_execution(compiled: Compiled) -> None:
     waiters: list[set[int]] = [set() for _ in range(n)]  # ranks blocked on each rank's progress
     ready = set(range(n))
 
+    memo = layout._dependency_cache[recompute]
+
     def step_compute(r: int, instr: Instr) -> None:
         node = (instr.op, instr.stage, instr.mb)
-        for dep in dependencies(layout, node, recompute):
+        for dep in memo.get(node) or dependencies(layout, node, recompute):
             if dep not in available[r]:
                 what = "computed" if rank_of[dep[1]] == r else f"received from rank {rank_of[dep[1]]}"
                 raise VerifyError(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from codegen.render import chrome_trace, dump_json, render_program, render_svg
 from passes.costs import CostModel
-from pipec.compile import PLAN_FORMAT, CompileResult, plan_hash
+from pipec.compile import PLAN_FORMAT, CompileResult, gc_paused, plan_hash
 from pipec.ir import FORMAT_VERSION, Compiled, Layout, PipecError
 from pipec.textform import Header, parse_program
 
@@ -43,7 +43,8 @@ def render_files(result: CompileResult) -> dict[str, str]:
     stats |= result.sim.to_json()
     files["plan.json"] = result.plan_text
     files["stats.json"] = dump_json(stats)
-    files["timeline.json"] = json.dumps(chrome_trace(result.sim, title(result)), sort_keys=True)
+    # Event dicts are built in a fixed key order, so plain dumps is deterministic (and fast).
+    files["timeline.json"] = json.dumps(chrome_trace(result.sim, title(result)))
     files["schedule.svg"] = render_svg(result.sim, title(result))
     return files
 
@@ -61,7 +62,9 @@ def emit(result: CompileResult, out: Path, force: bool = False) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        for name, text in render_files(result).items():
+        with gc_paused():
+            files = render_files(result)
+        for name, text in files.items():
             (tmp / name).write_text(text)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")

@@ -5,14 +5,17 @@ schedule family -> lower (send/recv, optimizer step) -> simulate -> verify -> pl
 
 from __future__ import annotations
 
+import gc
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from codegen.render import dump_json
 from passes.costs import CostModel
 from passes.lower import lower
 from passes.registry import Request, build_schedule, family
-from passes.simulate import SimResult, simulate
+from passes.simulate import SimResult, play, simulate
 from passes.verify import verify
 from pipec.ir import Compiled
 
@@ -31,6 +34,19 @@ class CompileResult:
     plan_hash: str
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector: compiling builds 10^5-10^6 acyclic tuples, and
+    the collector's repeated scans of them made compile time grow faster than p·m."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def plan_hash(plan_text: str) -> str:
     """The identity of a plan: programs carry it so the runtime can refuse a mismatch."""
     return hashlib.sha256(plan_text.encode()).hexdigest()[:16]
@@ -46,12 +62,26 @@ def compile_schedule(
     model: dict | None = None,
 ) -> CompileResult:
     """Build, lower, simulate and verify a schedule; PipecError for bad input."""
+    with gc_paused():
+        return _compile(schedule, p, m, v, costs, memory_limit, model)
+
+
+def _compile(
+    schedule: str,
+    p: int,
+    m: int,
+    v: int | None,
+    costs: CostModel,
+    memory_limit: float | None,
+    model: dict | None,
+) -> CompileResult:
     v = family(schedule).default_v if v is None else v
     req = Request(p, m, v, costs, memory_limit)
     sched = build_schedule(schedule, req)
     costs.check_chunks(sched.layout.n_chunks)
-    compiled = lower(sched, costs)
-    sim = simulate(compiled.layout, compiled.programs, costs)
+    played = play(sched.layout, sched.orders, costs)  # lowering keeps the compute orders
+    compiled = lower(sched, costs, played)
+    sim = simulate(compiled.layout, compiled.programs, costs, played)
     verify(compiled, costs, [r.peak_activations for r in sim.ranks], memory_limit)
     plan = {
         "format": PLAN_FORMAT,

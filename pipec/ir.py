@@ -8,7 +8,6 @@ Everything here is a frozen value so results compare with `==` (golden tests, ro
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -65,6 +64,7 @@ SEND_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD})
 RECV_OPS = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
 #: Ops whose peer field is the destination (printed `to=`); the others print `from=`.
 TO_PEER_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.EVICT, Op.RETURN, Op.ALLREDUCE_GRADS})
+_OP_NAME = {op: op.value for op in Op}  # Enum's .value is a slow descriptor on hot paths
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,14 +77,14 @@ class Instr:
     peer: int | None = None
 
     def __str__(self) -> str:
-        parts = [self.op.value]
+        text = _OP_NAME[self.op]
         if self.stage is not None:
-            parts.append(f"s={self.stage}")
+            text += f" s={self.stage}"
         if self.mb is not None:
-            parts.append(f"mb={self.mb}")
+            text += f" mb={self.mb}"
         if self.peer is not None:
-            parts.append(f"{'to' if self.op in TO_PEER_OPS else 'from'}={self.peer}")
-        return " ".join(parts)
+            text += f" {'to' if self.op in TO_PEER_OPS else 'from'}={self.peer}"
+        return text
 
 
 Program = tuple[Instr, ...]
@@ -157,6 +157,11 @@ class Layout:
     def pipeline_of_mb(self) -> dict[int, int]:
         return {mb: i for i, pl in enumerate(self.pipelines) for mb in pl.mbs}
 
+    @cached_property
+    def _dependency_cache(self) -> tuple[dict, dict]:
+        """Memo for `dependencies`, without and with recompute."""
+        return {}, {}
+
     def stages_of_rank(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_rank) if r == rank)
 
@@ -220,29 +225,37 @@ class Compiled:
 
 def dependencies(
     layout: Layout, node: tuple[Op, int, int], recompute: bool = False
-) -> Iterator[tuple[Op, int, int]]:
+) -> tuple[tuple[Op, int, int], ...]:
     """Predecessors of compute node (op, stage, mb) in the work graph (DESIGN.md's edges).
 
     F(s,i)<-F(prev,i); B(last,i)<-F(last,i); B(s,i)<-B(next,i), F(s,i); W(s,i)<-B(s,i).
     A fused BW follows the same edges as B (its upstream backward is a BW too); with
     recompute, the backward also waits for RECOMPUTE(s,i), which waits for F(s,i).
+    Memoised per layout: every pass asks for the same nodes' predecessors.
     """
+    cache = layout._dependency_cache[recompute]
+    deps = cache.get(node)
+    if deps is None:
+        deps = cache[node] = _dependencies(layout, node, recompute)
+    return deps
+
+
+def _dependencies(
+    layout: Layout, node: tuple[Op, int, int], recompute: bool
+) -> tuple[tuple[Op, int, int], ...]:
     op, s, i = node
     if op is Op.F:
         prev = layout.prev_stage(s)
-        if prev is not None:
-            yield (Op.F, prev, i)
-    elif op is Op.RECOMPUTE:
-        yield (Op.F, s, i)
-    elif op in (Op.B, Op.BW):
+        return () if prev is None else ((Op.F, prev, i),)
+    if op is Op.RECOMPUTE:
+        return ((Op.F, s, i),)
+    if op is Op.B or op is Op.BW:
         nxt = layout.next_stage(s)
-        if nxt is not None:
-            yield (op, nxt, i)
-        yield (Op.F, s, i)
-        if recompute:
-            yield (Op.RECOMPUTE, s, i)
-    elif op is Op.W:
-        yield (Op.B, s, i)
+        deps = ((Op.F, s, i),) if nxt is None else ((op, nxt, i), (Op.F, s, i))
+        return deps + ((Op.RECOMPUTE, s, i),) if recompute else deps
+    if op is Op.W:
+        return ((Op.B, s, i),)
+    return ()
 
 
 def work_graph(layout: Layout, split_bw: bool, recompute: bool = False) -> nx.DiGraph:
