@@ -114,8 +114,7 @@ def play(layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostModel) 
                     blocked = dep
                     break
                 arrive = finished[1] + (comm if rank_of[dep[1]] != r else 0.0)
-                if arrive > start:
-                    start = arrive
+                start = max(start, arrive)
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(r)
                 break

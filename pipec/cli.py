@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from codegen.render import terminal_gantt
-from passes.costs import CostModel, parse_costs, parse_mem
+from passes.costs import parse_costs, parse_mem
 from passes.registry import SCHEDULES, family
 from passes.simulate import SimResult, simulate
 from passes.verify import verify
