@@ -159,20 +159,22 @@ def plan_cmd(model: str, memory_per_device: str, peak_tflops: float | None, sche
              strategies: str, mbs: str, threads: int | None, top: int, as_json: bool,
              **opts) -> None:
     """Profile MODEL at several micro-batch sizes; rank schedule × mbs × memory strategy."""
+    from pipec.plan.candidates import PlanRequest
     from pipec.plan.driver import plan_model
     from pipec.plan.memory import parse_bytes
     from pipec.plan.report import render_json, render_text
 
+    req = PlanRequest(
+        opts["pp"], opts["global_batch"], parse_bytes(memory_per_device), opts["dp"],
+        tuple(_csv(schedules, "--schedules")), tuple(_csv(strategies, "--strategies")),
+        opts["comm"],
+    )
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
     plan = plan_model(
-        model,
-        p=opts["pp"], dp=opts["dp"], global_batch=opts["global_batch"],
-        bytes_per_device=parse_bytes(memory_per_device),
-        schedules=_csv(schedules, "--schedules"), strategies=_csv(strategies, "--strategies"),
-        comm_s=opts["comm"], mbs=_csv(mbs, "--mbs", int), time_budget=opts["time_budget"],
+        model, req, mbs=_csv(mbs, "--mbs", int), time_budget=opts["time_budget"],
         runs=opts["runs"], peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
     )
     click.echo(json.dumps(render_json(plan), sort_keys=True) if as_json else render_text(plan, top))

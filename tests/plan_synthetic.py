@@ -25,8 +25,9 @@ def synthetic_profile(mfu: Callable[[int], float], sizes=(1, 2, 4, 8, 16)) -> Mo
         points.append(
             MbsPoint(
                 mbs=n,
-                seconds=tuple(FBW(FLOPS.F * per_op, FLOPS.B * per_op, FLOPS.W * per_op)
-                              for _ in blocks),
+                seconds=tuple(
+                    FBW(FLOPS.F * per_op, FLOPS.B * per_op, FLOPS.W * per_op) for _ in blocks
+                ),
                 stash_bytes=(STASH_PER_SAMPLE * n,) * N_BLOCKS,
                 input_bytes=(INPUT_PER_SAMPLE * n,) * N_BLOCKS,
             )

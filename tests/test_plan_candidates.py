@@ -7,8 +7,8 @@ from plan_synthetic import INPUT_PER_SAMPLE, PARAMS, STASH_PER_SAMPLE, synthetic
 
 from pipec.ir import PipecError
 from pipec.plan import candidates
-from pipec.plan.candidates import STRATEGIES, eviction_available
-from pipec.plan.driver import mbs_sizes, plan_profile
+from pipec.plan.candidates import STRATEGIES, PlanRequest, eviction_available
+from pipec.plan.driver import check, plan_profile
 from pipec.plan.report import render_json, render_text, rows
 
 P, BATCH = 4, 64
@@ -33,10 +33,8 @@ def rising(n: int) -> float:
 
 
 def plan(mfu, strategy: str, budget: int = BUDGET):
-    return plan_profile(
-        synthetic_profile(mfu), p=P, global_batch=BATCH, bytes_per_device=budget,
-        schedules=["1f1b"], strategies=["plain", strategy],
-    )
+    req = PlanRequest(P, BATCH, budget, schedules=("1f1b",), strategies=("plain", strategy))
+    return plan_profile(synthetic_profile(mfu), req)
 
 
 def test_budget_arithmetic_matches_the_hand_figures():
@@ -78,12 +76,12 @@ def test_rising_mfu_prefers_the_strategy_that_unlocks_a_larger_micro_batch(strat
 def test_a_budget_that_fits_nothing_names_the_smallest_that_fits_one():
     smallest = STATIC + RECOMPUTE_1F1B  # 1F1B-R at mbs 1
     with pytest.raises(PipecError) as e:
-        plan_profile(synthetic_profile(flat), p=P, global_batch=BATCH, bytes_per_device=10_000)
+        plan_profile(synthetic_profile(flat), PlanRequest(P, BATCH, 10_000))
     expected = f"is 33.4 KiB ({smallest} bytes: 1f1b-r recompute at mbs 1)"
     assert str(e.value).startswith("--memory-per-device 9.77 KiB fits no candidate")
     assert str(e.value).endswith(f"; the smallest that fits one {expected}")
     assert "\n" not in str(e.value)
-    fits = plan_profile(synthetic_profile(flat), p=P, global_batch=BATCH, bytes_per_device=smallest)
+    fits = plan_profile(synthetic_profile(flat), PlanRequest(P, BATCH, smallest))
     assert [(e.schedule, e.mbs) for e in fits.evaluation.fits] == [("1f1b-r", 1)]
     assert fits.baseline is None and "fits at no micro-batch size" in render_text(fits)
 
@@ -112,25 +110,23 @@ def test_evict_is_offered_exactly_when_the_compile_driver_has_it():
 
 
 def test_batch_arithmetic():
-    assert mbs_sizes(4, 64, 1, None) == [1, 2, 4, 8, 16, 32, 64]
-    assert mbs_sizes(4, 48, 2, None) == [1, 2, 4, 8]
+    assert check(PlanRequest(4, 64, BUDGET)) == [1, 2, 4, 8, 16, 32, 64]
+    assert check(PlanRequest(4, 48, BUDGET, dp=2)) == [1, 2, 4, 8]
     with pytest.raises(PipecError, match="--global-batch 30 is not divisible by --dp 4"):
-        mbs_sizes(4, 30, 4, None)
+        check(PlanRequest(4, 30, BUDGET, dp=4))
     with pytest.raises(PipecError, match="--mbs 3 does not divide the per-replica batch 32"):
-        mbs_sizes(4, 64, 2, [2, 3])
+        check(PlanRequest(4, 64, BUDGET, dp=2), [2, 3])
     with pytest.raises(PipecError, match="--pp must be at least 1"):
-        mbs_sizes(0, 64, 1, None)
+        check(PlanRequest(0, 64, BUDGET))
 
 
 def test_unknown_schedule_lists_the_valid_ones():
     with pytest.raises(PipecError, match="unknown schedule 'zz'; valid schedules: .*1f1b"):
-        plan_profile(synthetic_profile(flat), p=P, global_batch=BATCH, bytes_per_device=BUDGET,
-                     schedules=["zz"])
+        plan_profile(synthetic_profile(flat), PlanRequest(P, BATCH, BUDGET, schedules=("zz",)))
 
 
 def test_json_lists_every_candidate_with_its_figures():
-    result = plan_profile(synthetic_profile(rising), p=P, global_batch=BATCH,
-                          bytes_per_device=BUDGET)
+    result = plan_profile(synthetic_profile(rising), PlanRequest(P, BATCH, BUDGET))
     out = render_json(result)
     n = len(result.evaluation.fits)
     assert len(out["candidates"]) == n and out["baseline"]["mbs"] == 4

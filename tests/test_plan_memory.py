@@ -29,8 +29,14 @@ def memory(schedule, p, m, ch):
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("80GiB", 80 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
-     ("123456", 123456), ("64 kib", 65536), ("1e9", 10**9)],
+    [
+        ("80GiB", 80 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("123456", 123456),
+        ("64 kib", 65536),
+        ("1e9", 10**9),
+    ],
 )
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected

@@ -36,6 +36,30 @@ class CompileRequest:
     memory_limit: float | None = None
     options: tuple[tuple[str, Any], ...] = ()
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule,
+            "p": self.p,
+            "m": self.m,
+            "v": self.v,
+            "memory_limit": self.memory_limit,
+            "options": dict(self.options),
+        }
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked to plan: the pipeline, the batch, the memory per device, and the
+    families and strategies to consider (empty: all)."""
+
+    p: int
+    global_batch: int
+    bytes_per_device: int
+    dp: int = 1
+    schedules: tuple[str, ...] = ()
+    strategies: tuple[str, ...] = ()
+    comm_s: float = 0.0
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -100,25 +124,31 @@ def strategy_names(requested: Sequence[str] | None) -> list[str]:
         if name not in STRATEGIES:
             hint = " (evict needs the BPipe eviction pass)" if name == "evict" else ""
             raise PipecError(
-                f"--strategies: unknown strategy '{name}'{hint}; available: "
-                f"{', '.join(STRATEGIES)}"
+                f"--strategies: unknown strategy '{name}'{hint}; available: {', '.join(STRATEGIES)}"
             )
     return list(requested)
 
 
 @dataclass(frozen=True)
 class Evaluated:
-    """One compiled and simulated candidate: its figures and per-rank memory."""
+    """One compiled and simulated candidate: the request that compiles it (to reproduce it
+    with a model), its figures and per-rank memory."""
 
     family: str
-    schedule: str
     strategy: str
     mbs: int
-    m: int
-    v: int
+    request: CompileRequest
     iteration_s: float
     bubble: float
     memory: tuple[RankMemory, ...]
+
+    @property
+    def schedule(self) -> str:
+        return self.request.schedule
+
+    @property
+    def m(self) -> int:
+        return self.request.m
 
     @property
     def peak_bytes(self) -> int:
@@ -168,22 +198,14 @@ def stash_budget(layout: Layout, chunks: Chunks, bytes_per_device: int) -> float
     return max(0.0, min(limits))
 
 
-def evaluate(
-    profile: ModelProfile,
-    *,
-    p: int,
-    dp: int,
-    global_batch: int,
-    bytes_per_device: int,
-    schedules: Sequence[str],
-    strategies: Sequence[str],
-    comm_s: float = 0.0,
-) -> Evaluation:
+def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
     """Compile and simulate every candidate at every profiled micro-batch size."""
+    p, dp, bytes_per_device = req.p, req.dp, req.bytes_per_device
+    schedules, strategies = schedule_names(req.schedules), strategy_names(req.strategies)
     out = Evaluation()
     seen: dict[tuple[int, tuple], str] = {}  # (mbs, programs) -> strategy that produced them
     for mbs in profile.sizes:
-        m = global_batch // (mbs * dp)
+        m = req.global_batch // (mbs * dp)
         for name in schedules:
             v = family(name).default_v
             try:
@@ -192,16 +214,16 @@ def evaluate(
             except PipecError as e:
                 out.skipped += [Skipped(name, s, mbs, str(e)) for s in strategies]
                 continue
-            costs = cost_model(chunks, comm_s)
+            costs = cost_model(chunks, req.comm_s)
             budget = Budget(bytes_per_device, stash_budget(layout, chunks, bytes_per_device))
             for strategy in strategies:
-                req = STRATEGIES[strategy][1](CompileRequest(name, p, m, v), budget)
-                if req is None:
+                job = STRATEGIES[strategy][1](CompileRequest(name, p, m, v), budget)
+                if job is None:
                     out.skipped.append(Skipped(name, strategy, mbs, "does not apply"))
                     continue
                 try:
                     result = compile_schedule(
-                        req.schedule, p, m, v, costs, req.memory_limit, **dict(req.options)
+                        job.schedule, p, m, v, costs, job.memory_limit, **dict(job.options)
                     )
                 except PipecError as e:
                     out.skipped.append(Skipped(name, strategy, mbs, str(e)))
@@ -212,8 +234,13 @@ def evaluate(
                     continue
                 seen[key] = f"{name} {strategy}"
                 ev = Evaluated(
-                    name, req.schedule, strategy, mbs, m, v, result.sim.makespan,
-                    result.sim.bubble, rank_memory(result.compiled, costs, chunks),
+                    name,
+                    strategy,
+                    mbs,
+                    job,
+                    result.sim.makespan,
+                    result.sim.bubble,
+                    rank_memory(result.compiled, costs, chunks),
                 )
                 (out.fits if ev.peak_bytes <= bytes_per_device else out.over).append(ev)
     out.fits.sort(key=lambda e: (e.iteration_s, e.peak_bytes))

@@ -33,9 +33,16 @@ MASTER_COPY_BYTES = 4
 """An fp32 master copy per parameter, kept when parameters are stored below 4 bytes."""
 
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -79,8 +86,11 @@ class RankMemory:
 
     def to_json(self) -> dict[str, int]:
         return {
-            "params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-            "stash": self.stash, "total": self.total,
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "stash": self.stash,
+            "total": self.total,
         }
 
 

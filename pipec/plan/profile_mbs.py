@@ -14,6 +14,7 @@ MFU needs the device's peak: `--peak-tflops`, or a large matrix multiplication t
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Sequence
 
@@ -57,7 +58,7 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float,
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     best = float("inf")
-    for run in range(4):
+    for run in range(6):
         t0 = _now(device)
         a @ b
         if run:  # the first is a warm-up
@@ -97,7 +98,8 @@ def profile_model(
         peak_flops, source = measure_peak_flops(device, dtype)
     else:
         source = "--peak-tflops"
-    bar = ProgressBar(len(sizes), "profiling F/B/W per micro-batch size") if progress else None
+    label = "profiling F/B/W per micro-batch size"
+    bar = ProgressBar(len(sizes), label, sys.stderr) if progress else None
     _measure(ms, blocks, sizes[0], runs=1)  # warm-up: first calls pay one-time set-up
     points: list[MbsPoint] = []
     stopped, start, last_dt = "", time.perf_counter(), 0.0
@@ -176,4 +178,3 @@ def _free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-

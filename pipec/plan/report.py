@@ -28,15 +28,15 @@ class Row:
 
 def rows(plan: Plan) -> list[Row]:
     """Every fitting candidate, fastest first, with its derived figures."""
-    prof, base = plan.profile, plan.baseline
-    world_peak = plan.p * plan.dp * prof.peak_flops
+    prof, base, req = plan.profile, plan.baseline, plan.request
+    world_peak = req.p * req.dp * prof.peak_flops
     out = []
     for ev in plan.evaluation.fits:
         out.append(
             Row(
                 ev,
-                tokens_per_s=plan.global_batch * prof.tokens_per_sample / ev.iteration_s,
-                mfu=plan.global_batch * prof.flops_per_sample / ev.iteration_s / world_peak,
+                tokens_per_s=req.global_batch * prof.tokens_per_sample / ev.iteration_s,
+                mfu=req.global_batch * prof.flops_per_sample / ev.iteration_s / world_peak,
                 speedup=base.iteration_s / ev.iteration_s if base else None,
                 mfu_bound=prof.mfu(ev.mbs) / prof.mfu(base.mbs) if base else None,
             )
@@ -50,19 +50,23 @@ def _x(value: float | None) -> str:
 
 def render_text(plan: Plan, top: int = 10) -> str:
     """The human-readable report."""
-    prof = plan.profile
+    prof, req = plan.profile, plan.request
     curve = "  ".join(f"{mbs}: {prof.mfu(mbs):.1%}" for mbs in prof.sizes)
     lines = [
-        f"pipec plan {prof.name}: p={plan.p} dp={plan.dp}, global batch {plan.global_batch} "
-        f"({prof.tokens_per_sample} tokens/sample), {format_bytes(plan.bytes_per_device)} "
-        "per device",
+        (
+            f"pipec plan {prof.name}: p={req.p} dp={req.dp}, global batch "
+            f"{req.global_batch} ({prof.tokens_per_sample} tokens/sample), "
+            f"{format_bytes(req.bytes_per_device)} per device"
+        ),
         f"peak {prof.peak_flops / 1e12:.3g} TFLOP/s per device ({prof.peak_source})",
         f"profiled MFU by micro-batch size: {curve}"
         + (f"  [stopped: {prof.stopped}]" if prof.stopped else ""),
         "",
-        f"{'#':>3}  {'schedule':<14} {'strategy':<10} {'mbs':>4} {'m':>5}  {'iter time':>10}  "
-        f"{'tokens/s':>10}  {'MFU':>6}  {'bubble':>6}  {'peak mem/rank':>13}  "
-        f"{'speedup':>7}  {'MFU bound':>9}",
+        (
+            f"{'#':>3}  {'schedule':<14} {'strategy':<10} {'mbs':>4} {'m':>5}  "
+            f"{'iter time':>10}  {'tokens/s':>10}  {'MFU':>6}  {'bubble':>6}  "
+            f"{'peak mem/rank':>13}  {'speedup':>7}  {'MFU bound':>9}"
+        ),
     ]
     table = rows(plan)
     for k, row in enumerate(table[:top], 1):
@@ -99,10 +103,10 @@ def _verdict(table: list[Row]) -> str:
     """Whether saving memory pays: the best memory-saving candidate against the best plain."""
     plain = next((r for r in table if r.ev.strategy == "plain"), None)
     saving = next((r for r in table if r.ev.strategy != "plain"), None)
-    if saving is None or plain is None:
-        return "memory saving: no candidate to compare" if saving is None else (
-            "memory saving is needed: no plain schedule fits"
-        )
+    if saving is None:
+        return "memory saving: no memory-saving candidate fits"
+    if plain is None:
+        return "memory saving is needed: no plain schedule fits"
     gain = plain.ev.iteration_s / saving.ev.iteration_s
     verb = "pays" if gain > 1 else "does not pay"
     return (
@@ -114,21 +118,28 @@ def _verdict(table: list[Row]) -> str:
 
 def render_json(plan: Plan) -> dict:
     """One JSON-serialisable object for scripts: inputs, profile, ranked candidates, the rest."""
-    prof, ev = plan.profile, plan.evaluation
+    prof, ev, req = plan.profile, plan.evaluation, plan.request
 
     def cand(e: Evaluated) -> dict:
         return {
-            "family": e.family, "schedule": e.schedule, "strategy": e.strategy, "mbs": e.mbs,
-            "m": e.m, "v": e.v, "iteration_s": e.iteration_s, "bubble": e.bubble,
-            "peak_bytes": e.peak_bytes, "memory": [r.to_json() for r in e.memory],
+            "family": e.family,
+            "schedule": e.schedule,
+            "strategy": e.strategy,
+            "mbs": e.mbs,
+            "m": e.m,
+            "compile": e.request.to_json(),
+            "iteration_s": e.iteration_s,
+            "bubble": e.bubble,
+            "peak_bytes": e.peak_bytes,
+            "memory": [r.to_json() for r in e.memory],
         }
 
     return {
         "model": prof.name,
-        "p": plan.p,
-        "dp": plan.dp,
-        "global_batch": plan.global_batch,
-        "memory_per_device": plan.bytes_per_device,
+        "p": req.p,
+        "dp": req.dp,
+        "global_batch": req.global_batch,
+        "memory_per_device": req.bytes_per_device,
         "peak_flops": prof.peak_flops,
         "peak_source": prof.peak_source,
         "tokens_per_sample": prof.tokens_per_sample,
@@ -145,8 +156,11 @@ def render_json(plan: Plan) -> dict:
         "profile_stopped": prof.stopped,
         "baseline": cand(plan.baseline) if plan.baseline else None,
         "candidates": [
-            cand(r.ev) | {
-                "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "speedup": r.speedup,
+            cand(r.ev)
+            | {
+                "tokens_per_s": r.tokens_per_s,
+                "mfu": r.mfu,
+                "speedup": r.speedup,
                 "mfu_bound": r.mfu_bound,
             }
             for r in rows(plan)
