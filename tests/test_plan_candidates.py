@@ -133,3 +133,20 @@ def test_json_lists_every_candidate_with_its_figures():
     first = out["candidates"][0]
     assert first["tokens_per_s"] == pytest.approx(BATCH * 128 / first["iteration_s"])
     assert {s["reason"] for s in out["skipped"]} >= {"does not apply"}
+
+
+def test_the_evict_row_hands_the_pass_the_budget_in_stash_units(monkeypatch):
+    # Whatever the eviction pass will be, its row asks compile_schedule for evict=True under
+    # the stash units the byte budget leaves: (80 000 - 32 000) / (2000 · mbs) on every rank.
+    calls = []
+    real = candidates.compile_schedule
+
+    def compile_with_evict(schedule, p, m, v, costs, memory_limit, evict=False):
+        calls.append((BATCH // m, memory_limit, evict))
+        return real(schedule, p, m, v, costs)
+
+    monkeypatch.setattr(candidates, "compile_schedule", compile_with_evict)
+    monkeypatch.setitem(STRATEGIES, "evict", ("BPipe", candidates._evict))
+    plan(flat, "evict")
+    evicting = [(mbs, limit) for mbs, limit, evict in calls if evict]
+    assert evicting == [(mbs, 48_000 / (2000 * mbs)) for mbs in (1, 2, 4, 8, 16)]
