@@ -135,13 +135,25 @@ def play(layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostModel) 
 
 
 def activation_profile(
-    program: Sequence[Instr], layout: Layout, costs: CostModel, recompute: bool
+    program: Sequence[Instr],
+    layout: Layout,
+    costs: CostModel,
+    recompute: bool,
+    stash_of_chunk: Sequence[float] | None = None,
 ) -> list[float]:
-    """Live activation memory after each instruction of one rank's program, in stashes."""
+    """Live activation memory after each instruction of one rank's program, in stashes.
+
+    With `stash_of_chunk` (one micro-batch's stash of each chunk, e.g. in bytes), a stage's
+    stash weighs that instead of the uniform `layout.stash_share`.
+    """
     live, out = 0.0, []
     share = layout.stash_share
     for instr in program:
-        live += costs.mem_delta(instr.op, recompute) * share
+        delta = costs.mem_delta(instr.op, recompute)
+        if delta:
+            if stash_of_chunk is not None:
+                share = stash_of_chunk[layout.stage_chunk[instr.stage]]
+            live += delta * share
         out.append(live)
     return out
 

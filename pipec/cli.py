@@ -131,6 +131,55 @@ def verify_cmd(directory: Path) -> None:
     )
 
 
+def _csv(text: str, what: str, kind: type = str) -> list:
+    """A comma-separated option as a list; one line naming the option when an item is bad."""
+    try:
+        return [kind(t.strip()) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise PipecError(f"{what} '{text}': expected a comma-separated list, e.g. 1,2,4") from None
+
+
+@cli.command("plan")
+@click.argument("model")
+@click.option("--pp", "-p", type=int, required=True, help="Pipeline ranks p.")
+@click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel copies.")
+@click.option("--global-batch", "-B", type=int, required=True, help="Samples per iteration, all copies.")
+@click.option("--memory-per-device", required=True, help="Memory per device: 80GiB, 512MiB or bytes.")
+@click.option("--peak-tflops", type=float, default=None, help="Device peak for MFU (default: measured GEMM).")
+@click.option("--schedules", default="", help="Families to consider, e.g. 1f1b,interleaved (default: all).")
+@click.option("--strategies", default="", help="Memory strategies, e.g. plain,recompute (default: all).")
+@click.option("--mbs", default="", help="Micro-batch sizes to profile (default: 1,2,4,… up to the batch).")
+@click.option("--time-budget", type=float, default=60.0, show_default=True, help="Profiling seconds.")
+@click.option("--runs", type=int, default=3, show_default=True, help="Timed runs per op (median).")
+@click.option("--comm", type=float, default=0.0, show_default=True, help="Seconds per cross-rank transfer.")
+@click.option("--threads", type=int, default=None, help="CPU threads while profiling (one rank's share).")
+@click.option("--top", type=int, default=10, show_default=True, help="Rows printed.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
+def plan_cmd(model: str, memory_per_device: str, peak_tflops: float | None, schedules: str,
+             strategies: str, mbs: str, threads: int | None, top: int, as_json: bool,
+             **opts) -> None:
+    """Profile MODEL at several micro-batch sizes; rank schedule × mbs × memory strategy."""
+    from pipec.plan.candidates import PlanRequest
+    from pipec.plan.driver import plan_model
+    from pipec.plan.memory import parse_bytes
+    from pipec.plan.report import render_json, render_text
+
+    req = PlanRequest(
+        opts["pp"], opts["global_batch"], parse_bytes(memory_per_device), opts["dp"],
+        tuple(_csv(schedules, "--schedules")), tuple(_csv(strategies, "--strategies")),
+        opts["comm"],
+    )
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    plan = plan_model(
+        model, req, mbs=_csv(mbs, "--mbs", int), time_budget=opts["time_budget"],
+        runs=opts["runs"], peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
+    )
+    click.echo(json.dumps(render_json(plan), sort_keys=True) if as_json else render_text(plan, top))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning every user error into one line and exit code 2."""
     try:
