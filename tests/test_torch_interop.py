@@ -11,7 +11,7 @@ from passes.registry import SCHEDULES, family
 from passes.to_torch import torch_rows
 from passes.verify import verify
 from pipec.compile import compile_schedule
-from pipec.interop import compile_torch_class
+from pipec.interop import compile_torch_class, compile_torch_csv
 from pipec.ir import PipecError
 from pipec.torch_csv import write_csv
 from pipec.torch_orders import CLASSES
@@ -191,3 +191,17 @@ def test_bad_torch_class_and_shape_are_one_line(capsys):
     assert err.count("\n") == 1
     assert cli_run("simulate", "--from-torch", "Schedule1F1B", "-p", "4", "-m", "8", "-v", "2") == 2
     assert "runs one stage per rank; --chunks must be 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cls", ["ScheduleInterleaved1F1B", "ScheduleDualPipeV"])
+@pytest.mark.parametrize("fmt", ["compute_only", "compute_comms"])
+def test_csv_dumped_by_torch_imports_like_the_class(cls, fmt, tmp_path):
+    """A CSV written by torch's own `_dump_csv` (idle cells, UNSHARD/RESHARD, REDUCE_GRAD,
+    sends and receives, OVERLAP_F_B) imports to the same orders as --from-torch."""
+    p, m = 4, 8
+    stages = [_stub(i, 2 * p, p) for i in range(2)]
+    path = tmp_path / "torch.csv"
+    getattr(torch_schedules, cls)(stages, m)._dump_csv(str(path), format=fmt)
+    from_csv = compile_torch_csv(path, COSTS["unit"])
+    assert from_csv.compiled.schedule == "torch-csv:torch"
+    assert from_csv.compiled.programs == torch_import(cls, p, m, 2).compiled.programs
