@@ -19,15 +19,18 @@ from passes.simulate import SimResult, simulate
 from passes.verify import verify
 from pipec.build_dir import emit, load
 from pipec.compile import CompileResult, compile_schedule
+from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
 from pipec.ir import PipecError
 
 
 def _schedule_options(fn: Callable) -> Callable:
     """The options shared by `compile` and `simulate`."""
     options = [
-        click.option("--schedule", "-s", required=True, help="Schedule family (see `pipec schedules`)."),
-        click.option("--pp", "-p", type=int, required=True, help="Pipeline ranks p."),
-        click.option("--microbatches", "-m", type=int, required=True, help="Micro-batches m."),
+        click.option("--schedule", "-s", help="Schedule family (see `pipec schedules`)."),
+        click.option("--from-torch", metavar="CLASS", help="Or torch's order, e.g. Schedule1F1B."),
+        click.option("--from-torch-csv", type=Path, help="Or a torch per-rank action CSV."),
+        click.option("--pp", "-p", type=int, help="Pipeline ranks p (a CSV gives its own)."),
+        click.option("--microbatches", "-m", type=int, help="Micro-batches m (ditto)."),
         click.option("--chunks", "-v", type=int, default=None, help="Chunks per rank v (default: the family's)."),
         click.option("--costs", default="", help="Per-op costs, e.g. F=1,B=1,W=1,comm=0 (F=1:2:1:1 per chunk)."),
         click.option("--mem", default="", help="Memory per op in stashes, e.g. F=1,W=-0.5 (B nets the rest)."),
@@ -38,8 +41,24 @@ def _schedule_options(fn: Callable) -> Callable:
     return fn
 
 
-def _compile(schedule, pp, microbatches, chunks, costs, mem, memory_limit) -> CompileResult:
+def _compile(
+    schedule, from_torch, from_torch_csv, pp, microbatches, chunks, costs, mem, memory_limit
+) -> CompileResult:
     model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
+    if sum(x is not None for x in (schedule, from_torch, from_torch_csv)) != 1:
+        raise click.UsageError("give one of --schedule, --from-torch or --from-torch-csv")
+    if from_torch_csv is not None:
+        return compile_torch_csv(from_torch_csv, model, memory_limit, (pp, microbatches, chunks))
+    for flag, value in (("--pp", pp), ("--microbatches", microbatches)):
+        if value is None:
+            raise click.UsageError(f"Missing option '{flag}'.")
+    if from_torch is not None:
+        result, notes = compile_torch_class(
+            from_torch, pp, microbatches, chunks, model, memory_limit
+        )
+        for note in notes:
+            click.echo(f"pipec: note: {note}", err=True)
+        return result
     return compile_schedule(schedule, pp, microbatches, chunks, model, memory_limit)
 
 
@@ -178,6 +197,22 @@ def plan_cmd(model: str, memory_per_device: str, peak_tflops: float | None, sche
         runs=opts["runs"], peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
     )
     click.echo(json.dumps(render_json(plan), sort_keys=True) if as_json else render_text(plan, top))
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["torch-csv"]), default="torch-csv")
+@click.option("--out", "-o", required=True, help="File to write ('-': standard output).")
+@click.option("--comms", is_flag=True, help="Add sends, receives, REDUCE_GRAD (compute_comms).")
+def export(directory: Path, fmt: str, out: str, comms: bool) -> None:
+    """Write a build's programs in torch.distributed.pipelining's per-rank action CSV."""
+    text = export_torch_csv(directory, comms)
+    if out == "-":
+        click.echo(text, nl=False)
+        return
+    Path(out).write_text(text, newline="")
+    kind = "compute_comms" if comms else "compute_only"
+    click.echo(f"wrote {out}: {fmt}, for _PipelineScheduleRuntime._load_csv(path, format='{kind}')")
 
 
 def main(argv: list[str] | None = None) -> None:

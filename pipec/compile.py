@@ -17,7 +17,7 @@ from passes.lower import lower
 from passes.registry import Request, build_schedule, family
 from passes.simulate import SimResult, play, simulate
 from passes.verify import verify
-from pipec.ir import Compiled
+from pipec.ir import Compiled, Schedule
 
 PLAN_FORMAT = "pipec.plan/1"
 
@@ -61,23 +61,27 @@ def compile_schedule(
     memory_limit: float | None = None,
     model: dict | None = None,
 ) -> CompileResult:
-    """Build, lower, simulate and verify a schedule; PipecError for bad input."""
+    """Build a registered family's schedule, then lower, simulate and verify it."""
+    v = family(schedule).default_v if v is None else v
     with gc_paused():
-        return _compile(schedule, p, m, v, costs, memory_limit, model)
+        sched = build_schedule(schedule, Request(p, m, v, costs, memory_limit))
+        return compile_from_schedule(sched, costs, memory_limit, model)
+
+
+def compile_from_schedule(
+    sched: Schedule,
+    costs: CostModel = CostModel(),
+    memory_limit: float | None = None,
+    model: dict | None = None,
+) -> CompileResult:
+    """Lower, simulate and verify a schedule built anywhere (a family, an imported order)."""
+    with gc_paused():
+        return _compile(sched, costs, memory_limit, model)
 
 
 def _compile(
-    schedule: str,
-    p: int,
-    m: int,
-    v: int | None,
-    costs: CostModel,
-    memory_limit: float | None,
-    model: dict | None,
+    sched: Schedule, costs: CostModel, memory_limit: float | None, model: dict | None
 ) -> CompileResult:
-    v = family(schedule).default_v if v is None else v
-    req = Request(p, m, v, costs, memory_limit)
-    sched = build_schedule(schedule, req)
     costs.check_chunks(sched.layout.n_chunks)
     played = play(sched.layout, sched.orders, costs)  # lowering keeps the compute orders
     compiled = lower(sched, costs, played)
@@ -85,10 +89,10 @@ def _compile(
     verify(compiled, costs, [r.peak_activations for r in sim.ranks], memory_limit)
     plan = {
         "format": PLAN_FORMAT,
-        "schedule": schedule,
-        "p": p,
-        "m": m,
-        "v": v,
+        "schedule": sched.name,
+        "p": sched.p,
+        "m": sched.m,
+        "v": sched.v,
         "world": compiled.world,
         "layout": compiled.layout.to_json(),
         "costs": costs.to_json(),
