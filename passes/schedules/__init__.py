@@ -1,3 +1,10 @@
 """The built-in schedule families; importing this package registers them."""
 
-from passes.schedules import gpipe, interleaved, one_f_one_b, zb_auto, zero_bubble  # noqa: F401
+from passes.schedules import (  # noqa: F401
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    vshape,
+    zb_auto,
+    zero_bubble,
+)

@@ -54,17 +54,21 @@ class _Greedy:
     bubble: list[float] = field(default_factory=list)
     done: dict[tuple[Op, int, int], float] = field(default_factory=dict)
     orders: list[list[Instr]] = field(default_factory=list)
+    durations: dict[Op, list[float]] = field(default_factory=dict)
+    deltas: dict[Op, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.count = {k: [0] * self.p for k in KINDS}
         self.end, self.mem, self.bubble = [0.0] * self.p, [0.0] * self.p, [0.0] * self.p
         self.orders = [[] for _ in range(self.p)]
+        self.durations = {k: [self.costs.per_chunk(k.value, s) for s in range(self.p)] for k in KINDS}
+        self.deltas = {k: self.costs.mem_delta(k, recompute=False) for k in KINDS}
 
     def cost(self, kind: Op, stage: int) -> float:
-        return self.costs.per_chunk(kind.value, stage)
+        return self.durations[kind][stage]
 
     def mem_of(self, kind: Op) -> float:
-        return self.costs.mem_delta(kind, recompute=False)
+        return self.deltas[kind]
 
     def fits(self, stage: int, kind: Op, extra: float = 0.0) -> bool:
         return self.mem[stage] + extra + self.mem_of(kind) <= self.cap + _EPS
