@@ -4,6 +4,7 @@ from passes.schedules import (  # noqa: F401
     gpipe,
     interleaved,
     one_f_one_b,
+    v_adaptive,
     vshape,
     zb_auto,
     zero_bubble,

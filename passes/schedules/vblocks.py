@@ -76,38 +76,54 @@ def repeat(block: Block, m: int) -> Orders:
     ]
 
 
-def slot_times(orders: Orders) -> list[list[int]] | None:
-    """The slot of every pass when each starts as early as its rank's order allows (the
-    paper's "squeeze"); None if the orders deadlock."""
+Durations = list[dict[str, float]]
+"""Per rank, how long each pass takes (unit slots when none are given)."""
+
+
+def start_times(
+    orders: Orders, durations: Durations | None = None, comm: float = 0
+) -> list[list[float]] | None:
+    """When every pass starts if each starts as early as its rank's order and its input
+    allow (with unit durations: the paper's "squeeze", in slots); None if the orders
+    deadlock. `comm` is added when the input comes from another rank."""
     p = len(orders)
+    unit = {k: 1 for k in KINDS}
     deps = [{k: waits_for(p, r, k) for k in KINDS} for r in range(p)]
-    at: list[dict[str, list[int]]] = [{k: [] for k in KINDS} for _ in range(p)]
+    ends: list[dict[str, list[float]]] = [{k: [] for k in KINDS} for _ in range(p)]
     waiting: list[dict[str, list[int]]] = [{k: [] for k in KINDS} for _ in range(p)]
-    out: list[list[int]] = [[] for _ in range(p)]
+    out: list[list[float]] = [[] for _ in range(p)]
     clock = [0] * p
     ready = list(range(p))
     while ready:
         r = ready.pop()
-        row, times, mine = orders[r], out[r], at[r]
+        row, starts, mine = orders[r], out[r], ends[r]
+        cost = durations[r] if durations else unit
         t = clock[r]
-        while len(times) < len(row):
-            kind = row[len(times)]
+        while len(starts) < len(row):
+            kind = row[len(starts)]
             done = mine[kind]
             dep = deps[r][kind]
             if dep is not None:
-                theirs = at[dep[0]][dep[1]]
+                theirs = ends[dep[0]][dep[1]]
                 if len(theirs) <= len(done):
                     waiting[dep[0]][dep[1]].append(r)
                     break
-                t = max(t, theirs[len(done)] + 1)
+                arrive = theirs[len(done)] + (comm if dep[0] != r else 0)
+                if arrive > t:
+                    t = arrive
+            starts.append(t)
+            t += cost[kind]
             done.append(t)
-            times.append(t)
-            t += 1
             if waiting[r][kind]:
                 ready += waiting[r][kind]
                 waiting[r][kind] = []
         clock[r] = t
     return out if all(len(t) == len(row) for t, row in zip(out, orders)) else None
+
+
+def slot_times(orders: Orders) -> list[list[int]] | None:
+    """start_times with unit durations: the slot of every pass."""
+    return start_times(orders)  # type: ignore[return-value]  (unit costs keep ints)
 
 
 def to_grid(orders: Orders, times: list[list[int]]) -> list[list[str]]:

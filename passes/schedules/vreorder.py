@@ -221,11 +221,12 @@ def _pull_forward(
         return
 
 
-def build(block: Block, m: int) -> Orders | None:
+def build(block: Block, m: int, thorough: bool = True) -> Orders | None:
     """The schedule of `block` for m micro-batches, or None if no variant is valid.
 
     Built with max(m, 2p) micro-batches so the warm-up rewrite sees a stable phase; the spare
-    ones are dropped before the cool-down is reordered.
+    ones are dropped before the cool-down is reordered. Without `thorough`, only the paper's
+    cool-down is tried (the cheap variant a search tries first; None when it fails).
     """
     p = len(block)
     spare = max(m, 2 * p)
@@ -238,14 +239,15 @@ def build(block: Block, m: int) -> Orders | None:
         orders = keep_first(orders, m)
     grid = squeezed(orders)
     assert grid is not None
-    now = max(peak(row) for row in grid)
     variants = []
     rebuilt = rebuild_cooldown(grid, m)
     if rebuilt is not None and (g := squeezed(relabel_w(rebuilt))) is not None:
         variants.append(relabel_w(fill_bubbles(g, max(peak(row) for row in g))))
-    filled = squeezed(relabel_w(fill_bubbles([list(row) for row in grid], now)))
-    if filled is not None:
-        variants.append(relabel_w(list_cooldown(filled)))
+    if thorough:
+        now = max(peak(row) for row in grid)
+        filled = squeezed(relabel_w(fill_bubbles(grid, now)))
+        if filled is not None:
+            variants.append(relabel_w(list_cooldown(filled)))
     best, best_length = None, 0
     for v in variants:
         times = slot_times(v)
