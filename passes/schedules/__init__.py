@@ -7,5 +7,6 @@ from passes.schedules import (  # noqa: F401
     v_adaptive,
     vshape,
     zb_auto,
+    zb_v,
     zero_bubble,
 )

@@ -24,7 +24,7 @@ from passes.registry import Request, only_v, schedule
 from passes.schedules.vblocks import (
     T,
     Block,
-    Durations,
+    durations,
     Orders,
     block_from_residues,
     peak,
@@ -79,19 +79,6 @@ def blocks_by_level(p: int) -> dict[int, tuple[tuple[tuple[int, ...], ...], ...]
     for block in seen:
         levels.setdefault(steady_peak([list(s) for s in block]), []).append(block)
     return {level: tuple(found) for level, found in sorted(levels.items())}
-
-
-def durations(p: int, costs: CostModel) -> Durations:
-    """Each rank's pass durations: chunk 0 is stage r, chunk 1 is stage 2p-1-r."""
-    out = []
-    for r in range(p):
-        c0, c1 = r, 2 * p - 1 - r
-        get = costs.per_chunk
-        out.append({
-            "F": get("F", c0), "f": get("F", c1), "B": get("B", c1),
-            "b": get("B", c0), "W": get("W", c1), "w": get("W", c0),
-        })
-    return out
 
 
 def longest_span(orders: Orders, dur: Durations, comm: float) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from passes.costs import CostModel
 from pipec.ir import Instr, Op, Program
 
 T = 6
@@ -80,8 +81,21 @@ Durations = list[dict[str, float]]
 """Per rank, how long each pass takes (unit slots when none are given)."""
 
 
+def durations(p: int, costs: CostModel) -> Durations:
+    """Each rank's pass durations: chunk 0 is stage r, chunk 1 is stage 2p-1-r."""
+    out = []
+    for r in range(p):
+        c0, c1 = r, 2 * p - 1 - r
+        get = costs.per_chunk
+        out.append({
+            "F": get("F", c0), "f": get("F", c1), "B": get("B", c1),
+            "b": get("B", c0), "W": get("W", c1), "w": get("W", c0),
+        })
+    return out
+
+
 def start_times(
-    orders: Orders, durations: Durations | None = None, comm: float = 0
+    orders: Orders, dur: Durations | None = None, comm: float = 0
 ) -> list[list[float]] | None:
     """When every pass starts if each starts as early as its rank's order and its input
     allow (with unit durations: the paper's "squeeze", in slots); None if the orders
@@ -97,7 +111,7 @@ def start_times(
     while ready:
         r = ready.pop()
         row, starts, mine = orders[r], out[r], ends[r]
-        cost = durations[r] if durations else unit
+        cost = dur[r] if dur else unit
         t = clock[r]
         while len(starts) < len(row):
             kind = row[len(starts)]

@@ -30,11 +30,11 @@ from passes.schedules.vblocks import (
 )
 
 
-def reorder_warmup(orders: Orders, m: int, top: int) -> Orders:
+def reorder_warmup(orders: Orders, m: int, tops: list[int]) -> Orders:
     """Rewrite each rank's passes before its first b as the V's warm-up.
 
     Rank r keeps the same passes but runs them as: chunk-0 forwards, then pairs F f (at most
-    r+1 f, and as many F as leave room for them under the peak `top`), then B W f groups (F
+    r+1 f, and as many F as leave room for them under its peak `tops[r]`), then B W f groups (F
     once the f run out). The multiset before the first b is unchanged, so is the memory there.
     """
     p = len(orders)
@@ -43,8 +43,8 @@ def reorder_warmup(orders: Orders, m: int, top: int) -> Orders:
         cut = row.index("b")
         have = {k: row[:cut].count(k) for k in "FfBW"}
         used = dict.fromkeys("FfBW", 0)
-        n_f1 = min(r + 1, top // 2, m)
-        limit = {"F": min(top - n_f1, m), "f": n_f1, "B": m, "W": m}
+        n_f1 = min(r + 1, tops[r] // 2, m)
+        limit = {"F": min(tops[r] - n_f1, m), "f": n_f1, "B": m, "W": m}
         new: list[str] = []
 
         def put(kind: str, capped: bool = True) -> None:
@@ -170,9 +170,10 @@ def list_cooldown(grid: list[list[str]]) -> Orders:
     return from_grid(rows)
 
 
-def fill_bubbles(grid: list[list[str]], top: int) -> Orders:
+def fill_bubbles(grid: list[list[str]], tops: list[int]) -> Orders:
     """Sweep the slots left to right; an idle slot takes the first later pass of its kind on
-    the same rank whose input is ready there, unless moving an F/f up would exceed `top`."""
+    the same rank whose input is ready there, unless moving an F/f up would raise the rank's
+    peak above `tops[r]`."""
     p, length = len(grid), len(grid[0])
     last = [{k: max((j for j, c in enumerate(row) if c == k), default=-1) for k in KINDS} for row in grid]
     count = [dict.fromkeys(KINDS, 0) for _ in range(p)]
@@ -181,7 +182,7 @@ def fill_bubbles(grid: list[list[str]], top: int) -> Orders:
     for j in range(length):
         for r, row in enumerate(grid):
             if row[j] == " ":
-                _pull_forward(grid, r, j, last[r], count[r], at, live[r], top)
+                _pull_forward(grid, r, j, last[r], count[r], at, live[r], tops[r])
             kind = row[j]
             if kind != " ":
                 at[(r, kind, count[r][kind])] = j
@@ -221,19 +222,28 @@ def _pull_forward(
         return
 
 
+def _peaks(orders: Orders | list[list[str]]) -> list[int]:
+    return [peak(row) for row in orders]
+
+
+def _within(orders: Orders, tops: list[int]) -> bool:
+    return all(a <= b for a, b in zip(_peaks(orders), tops))
+
+
 def build(block: Block, m: int, thorough: bool = True) -> Orders | None:
     """The schedule of `block` for m micro-batches, or None if no variant is valid.
 
     Built with max(m, 2p) micro-batches so the warm-up rewrite sees a stable phase; the spare
-    ones are dropped before the cool-down is reordered. Without `thorough`, only the paper's
-    cool-down is tried (the cheap variant a search tries first; None when it fails).
+    ones are dropped before the cool-down is reordered. No rank's peak rises above its peak
+    in the repeated block (which the lifespan rule bounds). Without `thorough`, only the
+    paper's cool-down is tried (the cheap variant a search tries first; None when it fails).
     """
     p = len(block)
     spare = max(m, 2 * p)
     orders = repeat(block, spare)
-    top = max(peak(row) for row in orders)
-    warm = reorder_warmup(orders, spare, min(top, 2 * p))
-    if slot_times(warm) is not None and max(peak(row) for row in warm) <= top:
+    tops = _peaks(orders)
+    warm = reorder_warmup(orders, spare, [min(t, 2 * p) for t in tops])
+    if slot_times(warm) is not None and _within(warm, tops):
         orders = warm
     if spare > m:
         orders = keep_first(orders, m)
@@ -242,16 +252,15 @@ def build(block: Block, m: int, thorough: bool = True) -> Orders | None:
     variants = []
     rebuilt = rebuild_cooldown(grid, m)
     if rebuilt is not None and (g := squeezed(relabel_w(rebuilt))) is not None:
-        variants.append(relabel_w(fill_bubbles(g, max(peak(row) for row in g))))
+        variants.append(relabel_w(fill_bubbles(g, _peaks(g))))
     if thorough:
-        now = max(peak(row) for row in grid)
-        filled = squeezed(relabel_w(fill_bubbles(grid, now)))
+        filled = squeezed(relabel_w(fill_bubbles(grid, _peaks(grid))))
         if filled is not None:
             variants.append(relabel_w(list_cooldown(filled)))
     best, best_length = None, 0
     for v in variants:
         times = slot_times(v)
-        if times is None or max(peak(row) for row in v) > top:
+        if times is None or not _within(v, tops):
             continue
         length = max(t[-1] for t in times)
         if best is None or length < best_length:
