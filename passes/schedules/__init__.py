@@ -1,3 +1,12 @@
 """The built-in schedule families; importing this package registers them."""
 
-from passes.schedules import gpipe, interleaved, one_f_one_b  # noqa: F401
+from passes.schedules import (  # noqa: F401
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    v_adaptive,
+    vshape,
+    zb_auto,
+    zb_v,
+    zero_bubble,
+)
