@@ -20,19 +20,19 @@ import itertools
 from functools import cache
 
 from passes.costs import CostModel
-from passes.registry import Request, only_v, schedule
+from passes.registry import Request
 from passes.schedules.vblocks import (
-    T,
     Block,
-    durations,
+    Durations,
     Orders,
+    T,
     block_from_residues,
+    durations,
     peak,
-    repeat,
     start_times,
 )
 from passes.schedules.vreorder import build
-from passes.schedules.vshape import check_v, v_schedule
+from passes.schedules.vshape import v_family, v_schedule
 from pipec.ir import PipecError, Schedule
 
 LEVELS = 2
@@ -41,7 +41,9 @@ FINALISTS = 3
 """How many of the best trial schedules are rebuilt for the real m with every variant."""
 
 
-def _residues(pattern: tuple[int, ...], k0: int, k1: int, len0: int, p: int) -> list[list[int]] | None:
+def _residues(
+    pattern: tuple[int, ...], k0: int, k1: int, len0: int, p: int
+) -> list[list[int]] | None:
     rows = [list(pattern)]
     for i in range(p - 1):
         k = k0 if i < len0 else k1
@@ -128,12 +130,9 @@ def _infeasible(p: int, m: int, limit: float, stash: float, lowest: tuple) -> st
     )
 
 
-@schedule(
+@v_family(
     "v-adaptive",
     "V-shape building block searched for the shortest schedule under --memory-limit (default p)",
-    default_v=2,
-    chunks="2",
-    checks=(only_v(2), check_v),
 )
 def v_adaptive(req: Request) -> Schedule:
     limit = req.p * req.costs.mem_F if req.memory_limit is None else req.memory_limit

@@ -25,7 +25,14 @@ Block = list[list[int]]
 """Per rank, the slots of micro-batch 0's F, f, B, b, W, w."""
 
 #: The pass each pass waits for, by name: (rank offset, name), or None for the first F.
-_WAITS_FOR = {"F": (-1, "F"), "f": (1, "f"), "B": (-1, "B"), "b": (1, "b"), "W": (0, "B"), "w": (0, "b")}
+_WAITS_FOR = {
+    "F": (-1, "F"),
+    "f": (1, "f"),
+    "B": (-1, "B"),
+    "b": (1, "b"),
+    "W": (0, "B"),
+    "w": (0, "b"),
+}
 #: At the ends of the V the neighbour is on the same rank: the pass before in the same chunk.
 _TURN = {"f": "F", "B": "f", "b": "B"}
 #: Activation memory of a pass in chunk stashes (the count the lifespan rule bounds).
@@ -52,7 +59,12 @@ def block_from_residues(p: int, residues: list[list[int]]) -> Block | None:
     """
     block = [[0] * 6 for _ in range(p)]
     t = -1
-    for kind, ranks in ((0, range(p)), (1, range(p - 1, -1, -1)), (2, range(p)), (3, range(p - 1, -1, -1))):
+    for kind, ranks in (
+        (0, range(p)),
+        (1, range(p - 1, -1, -1)),
+        (2, range(p)),
+        (3, range(p - 1, -1, -1)),
+    ):
         for r in ranks:
             t += 1 + (residues[r][kind] - t - 1) % T
             block[r][kind] = t
@@ -87,10 +99,16 @@ def durations(p: int, costs: CostModel) -> Durations:
     for r in range(p):
         c0, c1 = r, 2 * p - 1 - r
         get = costs.per_chunk
-        out.append({
-            "F": get("F", c0), "f": get("F", c1), "B": get("B", c1),
-            "b": get("B", c0), "W": get("W", c1), "w": get("W", c0),
-        })
+        out.append(
+            {
+                "F": get("F", c0),
+                "f": get("F", c1),
+                "B": get("B", c1),
+                "b": get("B", c0),
+                "W": get("W", c1),
+                "w": get("W", c0),
+            }
+        )
     return out
 
 

@@ -175,7 +175,10 @@ def fill_bubbles(grid: list[list[str]], tops: list[int]) -> Orders:
     the same rank whose input is ready there, unless moving an F/f up would raise the rank's
     peak above `tops[r]`."""
     p, length = len(grid), len(grid[0])
-    last = [{k: max((j for j, c in enumerate(row) if c == k), default=-1) for k in KINDS} for row in grid]
+    last = [
+        {k: max((j for j, c in enumerate(row) if c == k), default=-1) for k in KINDS}
+        for row in grid
+    ]
     count = [dict.fromkeys(KINDS, 0) for _ in range(p)]
     at: dict[tuple[int, str, int], int] = {}
     live = [0] * p
@@ -192,8 +195,14 @@ def fill_bubbles(grid: list[list[str]], tops: list[int]) -> Orders:
 
 
 def _pull_forward(
-    grid: list[list[str]], r: int, j: int, last: dict[str, int], count: dict[str, int],
-    at: dict[tuple[int, str, int], int], live: int, top: int,
+    grid: list[list[str]],
+    r: int,
+    j: int,
+    last: dict[str, int],
+    count: dict[str, int],
+    at: dict[tuple[int, str, int], int],
+    live: int,
+    top: int,
 ) -> None:
     """Move into grid[r][j] the first pass after j that may run there (see fill_bubbles)."""
     p, row = len(grid), grid[r]

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from passes.costs import CostModel
 from passes.mapping import stage_ranks, v_shape
 from passes.registry import Request, only_v, schedule
-from passes.schedules.vblocks import T, Block, Orders, block_from_residues, to_programs
+from passes.schedules.limits import refuse_over_limit
+from passes.schedules.vblocks import Block, Orders, T, block_from_residues, to_programs
 from passes.schedules.vreorder import build
-from passes.simulate import activation_profile
-from pipec.ir import PipecError, Schedule, single_pipeline
+from pipec.ir import Schedule, single_pipeline
 
 Slots = Callable[[int, int], tuple[int, int, int, int]]
 
@@ -57,24 +56,19 @@ def check_v(req: Request) -> str | None:
     return None
 
 
+def v_family(
+    name: str, summary: str
+) -> Callable[[Callable[[Request], Schedule]], Callable[[Request], Schedule]]:
+    """Register a V-placed family: two chunks per rank, p >= 2, m >= 2."""
+    return schedule(name, summary, default_v=2, chunks="2", checks=(only_v(2), check_v))
+
+
 def v_schedule(name: str, req: Request, orders: Orders) -> Schedule:
     """The Schedule of V-placed orders; a --memory-limit under its peak is refused here."""
     p = req.p
     layout = single_pipeline(p, req.m, stage_ranks(v_shape, 2 * p, p))
     sched = Schedule(name, p, req.m, 2, layout, to_programs(p, orders))
-    if req.memory_limit is not None:
-        top = peak_stashes(sched, req.costs)
-        if top > req.memory_limit + 1e-9:
-            raise PipecError(
-                f"{name} peaks at {top:g} stashes at p={p}, m={req.m}: --memory-limit "
-                f"{req.memory_limit:g} is below it; use at least {top:g}, or v-adaptive"
-            )
-    return sched
-
-
-def peak_stashes(sched: Schedule, costs: CostModel) -> float:
-    """The largest per-rank peak of live activations, in stashes, under the cost model."""
-    return max(max(activation_profile(o, sched.layout, costs, False), default=0.0) for o in sched.orders)
+    return refuse_over_limit(sched, req, "v-adaptive")
 
 
 def _family(name: str, slots: Slots, summary: str) -> None:
@@ -84,9 +78,13 @@ def _family(name: str, slots: Slots, summary: str) -> None:
         return v_schedule(name, req, orders)
 
     build_family.__doc__ = f"{name}: {summary}"
-    schedule(name, summary, default_v=2, chunks="2", checks=(only_v(2), check_v))(build_family)
+    v_family(name, summary)(build_family)
 
 
 _family("v-min", v_min_slots, "V-shape, ~1/3 of 1F1B's activations ((p+4)//3 stashes), bubble ~4p")
-_family("v-half", v_half_slots, "V-shape, ~1/2 of 1F1B's activations ((p+2)//2 stashes), bubble ~3p")
-_family("v-zb", v_zb_slots, "V-shape building block with 1F1B's activations (p stashes), zero bubble")
+_family(
+    "v-half", v_half_slots, "V-shape, ~1/2 of 1F1B's activations ((p+2)//2 stashes), bubble ~3p"
+)
+_family(
+    "v-zb", v_zb_slots, "V-shape building block with 1F1B's activations (p stashes), zero bubble"
+)

@@ -61,7 +61,9 @@ class _Greedy:
         self.count = {k: [0] * self.p for k in KINDS}
         self.end, self.mem, self.bubble = [0.0] * self.p, [0.0] * self.p, [0.0] * self.p
         self.orders = [[] for _ in range(self.p)]
-        self.durations = {k: [self.costs.per_chunk(k.value, s) for s in range(self.p)] for k in KINDS}
+        self.durations = {
+            k: [self.costs.per_chunk(k.value, s) for s in range(self.p)] for k in KINDS
+        }
         self.deltas = {k: self.costs.mem_delta(k, recompute=False) for k in KINDS}
 
     def cost(self, kind: Op, stage: int) -> float:

@@ -18,9 +18,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from passes.costs import CostModel
-from passes.registry import Request, only_v, schedule
+from passes.registry import Request
 from passes.schedules.vblocks import KINDS, Orders, durations, waits_for
-from passes.schedules.vshape import check_v, v_schedule
+from passes.schedules.vshape import v_family, v_schedule
 from pipec.ir import Op, Schedule
 
 _EPS = 1e-9
@@ -52,7 +52,10 @@ class _Greedy:
         self.orders = [[] for _ in range(p)]
         self.dur = durations(p, self.costs)
         share = 0.5  # a chunk's stash is half a rank's share
-        self.delta = {k: share * self.costs.mem_delta(op, False) for k, op in zip(KINDS, (Op.F, Op.F, Op.B, Op.B, Op.W, Op.W))}
+        self.delta = {
+            k: share * self.costs.mem_delta(op, False)
+            for k, op in zip(KINDS, (Op.F, Op.F, Op.B, Op.B, Op.W, Op.W))
+        }
         self.cap = p * self.costs.mem_F
 
     def largest_bubble(self, rank: int | None = None) -> float:
@@ -182,7 +185,9 @@ def _forward_round(g: _Greedy) -> None:
         g.put(r, kind)
 
 
-def _run(p: int, m: int, costs: CostModel, fill_b: bool, fill_f: bool, approved: list[float] | None) -> _Greedy:
+def _run(
+    p: int, m: int, costs: CostModel, fill_b: bool, fill_f: bool, approved: list[float] | None
+) -> _Greedy:
     g = _Greedy(p, m, costs, approved, fill_b, fill_f)
     _warmup(g)
     for _ in range(2 * m):
@@ -214,12 +219,9 @@ def zb_v_orders(p: int, m: int, costs: CostModel) -> Orders:
     return min(runs, key=lambda g: g.largest_bubble()).orders
 
 
-@schedule(
+@v_family(
     "zb-v",
     "zero bubble V: 2 chunks per rank in a V, greedy under real costs at 1F1B's memory (p stashes)",
-    default_v=2,
-    chunks="2",
-    checks=(only_v(2), check_v),
 )
 def zb_v(req: Request) -> Schedule:
     return v_schedule("zb-v", req, zb_v_orders(req.p, req.m, req.costs))

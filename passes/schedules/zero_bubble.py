@@ -10,12 +10,14 @@ chain is never delayed: the trapezoid becomes a parallelogram, bubble (p-1)(F+B-
 
 from passes.mapping import sequential, stage_ranks
 from passes.registry import Request, schedule
+from passes.schedules.limits import refuse_over_limit
 from pipec.ir import Instr, Op, Schedule, single_pipeline
 
 
 def _sequential_schedule(name: str, req: Request, orders: list[list[Instr]]) -> Schedule:
     layout = single_pipeline(req.p, req.m, stage_ranks(sequential, req.p, req.p))
-    return Schedule(name, req.p, req.m, 1, layout, tuple(map(tuple, orders)))
+    sched = Schedule(name, req.p, req.m, 1, layout, tuple(map(tuple, orders)))
+    return refuse_over_limit(sched, req, "zb-auto")
 
 
 def zb_h1_order(p: int, m: int, rank: int) -> list[Instr]:
@@ -57,13 +59,9 @@ def zb_h2_order(p: int, m: int, rank: int) -> list[Instr]:
 
 @schedule("zb-h1", "zero bubble H1: 1F1B's warm-up and memory, W lags B to fill the cool-down")
 def zb_h1(req: Request) -> Schedule:
-    return _sequential_schedule(
-        "zb-h1", req, [zb_h1_order(req.p, req.m, r) for r in range(req.p)]
-    )
+    return _sequential_schedule("zb-h1", req, [zb_h1_order(req.p, req.m, r) for r in range(req.p)])
 
 
 @schedule("zb-h2", "zero bubble H2: 2(p-r)-1 warm-up forwards, W deferred to the tail; ~2x memory")
 def zb_h2(req: Request) -> Schedule:
-    return _sequential_schedule(
-        "zb-h2", req, [zb_h2_order(req.p, req.m, r) for r in range(req.p)]
-    )
+    return _sequential_schedule("zb-h2", req, [zb_h2_order(req.p, req.m, r) for r in range(req.p)])
