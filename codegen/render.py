@@ -20,6 +20,7 @@ TRACE_US_PER_UNIT = 1000.0
 SVG_WIDTH = 1200.0
 ROW_HEIGHT = 22
 LEFT = 70
+MEMORY_COLUMN = 190  # right of the chart: each rank's peak, in stashes (and bytes with a model)
 
 
 @cache
@@ -95,12 +96,32 @@ def render_svg(sim: SimResult, title: str) -> str:
                 }
             )
     rows = [(f"rank {r}", top + r * ROW_HEIGHT + ROW_HEIGHT // 2 + 2) for r in range(len(sim.timeline))]
+    peaks = [
+        f"peak {r.peak_activations:.4g} stashes"
+        + ("" if r.peak_stash_bytes is None else f" = {format_bytes(r.peak_stash_bytes)}")
+        for r in sim.ranks
+    ]
     kinds = sorted({s.instr.op.value for slots in sim.timeline for s in slots})
     height = top + len(sim.timeline) * ROW_HEIGHT + 22
     return _env().get_template("schedule.svg.j2").render(
-        width=int(SVG_WIDTH), height=height, title=title, rows=rows, boxes=boxes,
+        width=int(SVG_WIDTH) + MEMORY_COLUMN, height=height, title=title, rows=rows, boxes=boxes,
         legend=[(k, LEFT + 60 * i) for i, k in enumerate(kinds)],
+        memory=[(text, y) for text, (_, y) in zip(peaks, rows)], memory_x=int(SVG_WIDTH) + 4,
     )
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units, three significant digits: 529152 -> '517 KiB'."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    k = 0
+    while abs(n) >= 1024 and k < len(units) - 1:
+        n, k = n / 1024, k + 1
+    return f"{n:.0f} B" if k == 0 else f"{n:.3g} {units[k]}"
+
+
+def render_launch(facts: dict) -> str:
+    """OUT/launch.py: the torchrun entry point of a build with a model (see the template)."""
+    return _env().get_template("launch.py.j2").render(**facts) + "\n"
 
 
 def terminal_gantt(sim: SimResult, width: int = 100) -> str:

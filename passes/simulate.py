@@ -32,6 +32,8 @@ class RankStats:
     busy: float
     span: float
     peak_activations: float
+    peak_stash_bytes: float | None = None
+    """The peak in bytes when the cost model has per-chunk stash bytes (a model was given)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class SimResult:
                     "span": _round(s.span),
                     "peak_activations": _round(s.peak_activations),
                 }
+                | ({} if s.peak_stash_bytes is None else {"peak_stash_bytes": s.peak_stash_bytes})
                 for r, s in enumerate(self.ranks)
             ],
         }
@@ -127,13 +130,25 @@ def play(
 
 
 def activation_profile(
-    program: Sequence[Instr], layout: Layout, costs: CostModel, recompute: bool
+    program: Sequence[Instr],
+    layout: Layout,
+    costs: CostModel,
+    recompute: bool,
+    stash_of_chunk: Sequence[float] | None = None,
 ) -> list[float]:
-    """Live activation memory after each instruction of one rank's program, in stashes."""
+    """Live activation memory after each instruction of one rank's program, in stashes.
+
+    With `stash_of_chunk` (one micro-batch's stash of each chunk, e.g. in bytes), a stage's
+    stash weighs that instead of the uniform `layout.stash_share`.
+    """
     live, out = 0.0, []
     share = layout.stash_share
     for instr in program:
-        live += costs.mem_delta(instr.op, recompute) * share
+        delta = costs.mem_delta(instr.op, recompute)
+        if delta:
+            if stash_of_chunk is not None:
+                share = stash_of_chunk[layout.stage_chunk[instr.stage]]
+            live += delta * share
         out.append(live)
     return out
 
@@ -150,8 +165,14 @@ def simulate(layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostMod
         busy = sum(s.end - s.start for s in slots)
         span = slots[-1].end - slots[0].start if slots else 0.0
         peak = max([0.0, *activation_profile(prog, layout, costs, recompute)])
+        peak_bytes = None
+        if costs.stash_bytes:
+            # F adds mem_F stashes, which weigh the chunk's measured stash bytes.
+            per_stash = [b / costs.mem_F for b in costs.stash_bytes]
+            profile = activation_profile(prog, layout, costs, recompute, per_stash)
+            peak_bytes = round(max([0.0, *profile]))
         timeline.append(slots)
-        ranks.append(RankStats(busy, span, peak))
+        ranks.append(RankStats(busy, span, peak, peak_bytes))
     makespan = max((s[-1].end for s in timeline if s), default=0.0)
     total_busy = sum(r.busy for r in ranks)
     bubble = 1 - total_busy / (len(programs) * makespan) if makespan > 0 else 0.0

@@ -20,6 +20,7 @@ from passes.verify import verify
 from pipec.build_dir import emit, load
 from pipec.compile import CompileResult, compile_schedule
 from pipec.ir import PipecError
+from pipec.model import compile_model
 
 
 def _schedule_options(fn: Callable) -> Callable:
@@ -38,9 +39,19 @@ def _schedule_options(fn: Callable) -> Callable:
     return fn
 
 
-def _compile(schedule, pp, microbatches, chunks, costs, mem, memory_limit) -> CompileResult:
-    model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
-    return compile_schedule(schedule, pp, microbatches, chunks, model, memory_limit)
+def _compile(
+    schedule, pp, microbatches, chunks, costs, mem, memory_limit,
+    model=None, partition=None, profile=False, dp=1,
+) -> CompileResult:
+    cost_model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
+    if model is None:
+        if partition is not None or profile:
+            raise PipecError("--partition and --profile need a MODEL (path/to/file.py:factory)")
+        return compile_schedule(schedule, pp, microbatches, chunks, cost_model, memory_limit, dp=dp)
+    return compile_model(
+        model, schedule, pp, microbatches, chunks, cost_model, memory_limit,
+        partition or "balanced", profile, dp,
+    )
 
 
 def _rank_table(sim: SimResult) -> str:
@@ -68,11 +79,15 @@ def schedules() -> None:
 
 
 @cli.command("compile")
+@click.argument("model", required=False)
 @_schedule_options
+@click.option("--partition", default=None, help="With MODEL: uniform, balanced (default) or blocks per stage, e.g. 3,2,2,1.")
+@click.option("--profile", is_flag=True, help="With MODEL: time each stage's F/B/W here instead of estimating FLOPs.")
+@click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel copies of the pipeline (world = p·dp).")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("build"), show_default=True)
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
 def compile_cmd(out: Path, force: bool, **opts) -> None:
-    """Compile a schedule into verified per-rank programs in OUT."""
+    """Compile a schedule (for MODEL, path/to/file.py:factory, if given) into programs in OUT."""
     result = _compile(**opts)
     emit(result, out, force)
     sim = result.sim

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 from codegen.render import dump_json
 from passes.costs import CostModel
+from passes.data_parallel import add_dp_sync
 from passes.lower import lower
 from passes.registry import Request, build_schedule, family
 from passes.simulate import SimResult, simulate
 from passes.verify import verify
-from pipec.ir import Compiled
+from pipec.ir import Compiled, PipecError
 
 PLAN_FORMAT = "pipec.plan/1"
 
@@ -44,13 +45,21 @@ def compile_schedule(
     costs: CostModel = CostModel(),
     memory_limit: float | None = None,
     model: dict | None = None,
+    dp: int = 1,
 ) -> CompileResult:
-    """Build, lower, simulate and verify a schedule; PipecError for bad input."""
+    """Build, lower, simulate and verify a schedule; PipecError for bad input.
+
+    `dp` > 1 adds data-parallel gradient sync; the world is then p·dp ranks.
+    """
+    if dp < 1:
+        raise PipecError(f"--dp must be at least 1 (got {dp})")
     v = family(schedule).default_v if v is None else v
     req = Request(p, m, v, costs, memory_limit)
     sched = build_schedule(schedule, req)
     costs.check_chunks(sched.layout.n_chunks)
     compiled = lower(sched, costs)
+    if dp > 1:
+        compiled = add_dp_sync(compiled)
     sim = simulate(compiled.layout, compiled.programs, costs)
     verify(compiled, costs, [r.peak_activations for r in sim.ranks], memory_limit)
     plan = {
@@ -65,5 +74,7 @@ def compile_schedule(
         "memory_limit": memory_limit,
         "model": model,
     }
+    if dp > 1:  # absent for dp=1, so schedule-only plans (and golden headers) keep their hash
+        plan["dp"] = dp
     text = dump_json(plan)
     return CompileResult(compiled, sim, costs, plan, text, plan_hash(text))
