@@ -58,7 +58,7 @@ def compile_model(
         plan = build_model_plan(
             spec,
             layout.n_chunks,
-            _partition(partition),
+            partition,
             profile,
             v=layout.n_chunks // p,
             replicas=layout.n_stages // layout.n_chunks,
@@ -70,11 +70,3 @@ def compile_model(
         schedule, p, m, v, model_costs(model, costs), memory_limit, model=model, dp=dp
     )
 
-
-def _partition(text: str) -> str:
-    """uniform, balanced, or a list of blocks per stage such as 3,2,2,1."""
-    if text in ("uniform", "balanced") or all(t.strip().isdigit() for t in text.split(",")):
-        return text
-    raise PipecError(
-        f"--partition {text!r}: use uniform, balanced, or blocks per stage such as 3,2,2,1"
-    )
