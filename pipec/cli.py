@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from codegen.render import terminal_gantt
+from codegen.render import measured_table, terminal_gantt
 from passes.costs import CostModel, parse_costs, parse_mem
 from passes.registry import SCHEDULES, family
 from passes.simulate import SimResult, simulate
@@ -129,6 +129,9 @@ def show(directory: Path, lines: int, width: int) -> None:
     sim = simulate(c.layout, c.programs, build.costs)
     click.echo(_rank_table(sim))
     click.echo(terminal_gantt(sim, width))
+    measured = directory / "measured" / "stats.json"
+    if measured.is_file():  # written by a run of OUT/launch.py
+        click.echo(measured_table(json.loads(measured.read_text())))
 
 
 @cli.command("verify")

@@ -60,14 +60,25 @@ def compile_schedule(
     compiled = lower(sched, costs)
     if dp > 1:
         compiled = add_dp_sync(compiled)
+    return package(compiled, costs, memory_limit, model, dp)
+
+
+def package(
+    compiled: Compiled,
+    costs: CostModel,
+    memory_limit: float | None = None,
+    model: dict | None = None,
+    dp: int = 1,
+) -> CompileResult:
+    """Simulate and verify lowered programs and make their plan (also hand-written programs)."""
     sim = simulate(compiled.layout, compiled.programs, costs)
     verify(compiled, costs, [r.peak_activations for r in sim.ranks], memory_limit)
     plan = {
         "format": PLAN_FORMAT,
-        "schedule": schedule,
-        "p": p,
-        "m": m,
-        "v": v,
+        "schedule": compiled.schedule,
+        "p": compiled.p,
+        "m": compiled.m,
+        "v": compiled.v,
         "world": compiled.world,
         "layout": compiled.layout.to_json(),
         "costs": costs.to_json(),

@@ -32,12 +32,12 @@ def take_termination_signals() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 
-def report(message: str, code: int = EXIT_FAULT) -> None:
+def report(message: str) -> None:
     """Print one line on stderr and end the process now (no atexit, no hanging destructors)."""
     sys.stdout.flush()
     sys.stderr.write(f"pipec runtime: {message}\n")
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(EXIT_FAULT)
 
 
 class Watchdog:

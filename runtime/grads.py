@@ -30,7 +30,10 @@ def _grads(params) -> list[torch.Tensor]:  # noqa: ANN001
 
 
 def allreduce_grads(rt: Rank, instr: Instr) -> None:
-    group = rt.dp_group if instr.peer is None else rt.replica_groups[instr.peer]
+    if instr.peer is None:
+        group = rt.dp_group
+    else:
+        group = rt.replica_groups[(instr.peer, rt.layout.stage_chunk[instr.stage])]
     if group is None:
         return  # data parallelism of one: nothing to sum
     params = [p for p in rt.stage_parameters(instr.stage) if id(p) not in rt.synced]

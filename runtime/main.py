@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import sys
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -92,8 +92,9 @@ def main(
         build = load(build_dir)
         rt = Rank.prepare(build, grank, world, device, args.model, args.seed)
         check_program(rt.program, handlers, rt.source)
-    except PipecError as e:
-        report(f"rank {grank}: {e}", code=2)
+    except PipecError as e:  # nothing was communicated: a plain exit, no other rank is waiting
+        print(f"pipec runtime: rank {grank}: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
@@ -102,7 +103,7 @@ def main(
         rt.connect(optimizer or (lambda ps: torch.optim.AdamW(ps, lr=args.lr)), args.timeout)
         log = _log_step(rt, args.steps) if grank == 0 else None
         traces = train(rt, args.steps, handlers, watchdog, log)
-        _report(rt, traces, args.skip)
+        write_measurements(rt, traces, args.skip)
     except InstructionFailed as e:
         report(str(e))
     except Exception as e:  # a collective outside the program failed: a peer is gone
@@ -118,7 +119,7 @@ def _log_step(rt: Rank, steps: int) -> Callable[[int, float, StepTrace], None]:
     return log
 
 
-def _report(rt: Rank, traces: list[StepTrace], skip: int) -> None:
+def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:
     """Gather every rank's measurements; rank 0 writes measured/ and prints the comparison."""
     mine = rank_report(rt.grank, rt.program, rt.peak, traces)
     reports: list | None = [None] * rt.world if rt.grank == 0 else None

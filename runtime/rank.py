@@ -52,7 +52,7 @@ class Rank:
     comm: Comm | None = None
     optimizer: torch.optim.Optimizer | None = None
     dp_group: object | None = None
-    replica_groups: dict[int, object] = field(default_factory=dict)
+    replica_groups: dict[tuple[int, int], object] = field(default_factory=dict)
     tied: list[tuple[object, nn.Parameter]] = field(default_factory=list)
     # Per-step state, emptied by OPTIMIZER_STEP.
     stashes: dict[tuple[int, int], Stash] = field(default_factory=dict)
@@ -211,19 +211,21 @@ class Rank:
             group = dist.new_group(ranks) if self.dp > 1 else None
             if r == self.rank:
                 self.dp_group = group
+        # One group per replica pair and chunk: reductions of different chunks between the same
+        # two ranks are then independent, whatever order the two programs issue them in.
         pairs = sorted(
             {
-                tuple(sorted((r, i.peer)))
+                (*sorted((r, i.peer)), self.layout.stage_chunk[i.stage])
                 for r, prog in enumerate(c.programs)
                 for i in prog
                 if i.op is Op.ALLREDUCE_GRADS and i.peer is not None
             }
         )
         for d in range(self.dp):
-            for a, b in pairs:
+            for a, b, chunk in pairs:
                 group = dist.new_group([d * c.world + a, d * c.world + b])
                 if d == self.dp_index and self.rank in (a, b):
-                    self.replica_groups[b if self.rank == a else a] = group
+                    self.replica_groups[(b if self.rank == a else a, chunk)] = group
         self._connect_tied()
         self.optimizer = optimizer(self.parameters())
 
