@@ -51,6 +51,7 @@ class Watchdog:
         self.timeout = timeout
         self.describe = describe
         self.current: tuple[int, float] | None = None
+        self.last: int | None = None  # the last instruction entered, for faults between steps
         self._stop = threading.Event()
         self._takes_sigterm = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
         self._thread = threading.Thread(target=self._watch, name="pipec-watchdog", daemon=True)
@@ -58,6 +59,15 @@ class Watchdog:
 
     def enter(self, k: int, now: float) -> None:
         self.current = (k, now)
+        self.last = k
+
+    def where(self) -> str:
+        """This rank and the instruction it is executing (or finished last, between steps)."""
+        if self.current is not None:
+            return self.describe(self.current[0])
+        if self.last is None:
+            return self.describe(None)
+        return f"{self.describe(self.last)} done, between steps"
 
     def leave(self) -> None:
         self.current = None
@@ -71,11 +81,7 @@ class Watchdog:
         while not self._stop.is_set():
             if self._takes_sigterm:
                 if signal.sigtimedwait([signal.SIGTERM], poll) is not None:
-                    where = self.current
-                    report(
-                        f"{self.describe(where[0] if where else None)}: stopped by SIGTERM "
-                        "(torchrun stops every rank when one fails)"
-                    )
+                    report(f"{self.where()}: stopped by SIGTERM (torchrun stops every rank when one fails)")
             else:
                 time.sleep(poll)
             where = self.current

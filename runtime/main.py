@@ -25,9 +25,9 @@ from passes.simulate import simulate
 from pipec.build_dir import load, title
 from pipec.ir import Op, PipecError
 from runtime.faults import DEFAULT_TIMEOUT_S, Watchdog, report
-from runtime.interpreter import HANDLERS, Handler, InstructionFailed, StepTrace, check_program, run_program
+from runtime.interpreter import HANDLERS, Handler, StepTrace, check_program, run_program
 from runtime.measure import rank_report, summarize, timeline, write
-from runtime.rank import OptimizerFactory, Rank
+from runtime.rank import Rank
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -77,7 +77,6 @@ def main(
     build_dir: Path,
     argv: list[str] | None = None,
     handlers: Mapping[Op, Handler] = HANDLERS,
-    optimizer: OptimizerFactory | None = None,
 ) -> None:
     """Run one rank (RANK, WORLD_SIZE, LOCAL_RANK from torchrun's environment)."""
     args = _parse(argv)
@@ -100,14 +99,12 @@ def main(
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     watchdog = Watchdog(args.timeout, rt.describe)
     try:
-        rt.connect(optimizer or (lambda ps: torch.optim.AdamW(ps, lr=args.lr)), args.timeout)
+        rt.connect(lambda params: torch.optim.AdamW(params, lr=args.lr), args.timeout)
         log = _log_step(rt, args.steps) if grank == 0 else None
         traces = train(rt, args.steps, handlers, watchdog, log)
         write_measurements(rt, traces, args.skip)
-    except InstructionFailed as e:
-        report(str(e))
-    except Exception as e:  # a collective outside the program failed: a peer is gone
-        report(f"rank {grank}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+    except Exception as e:  # an instruction or a step's collective failed: say where
+        report(f"{watchdog.where()}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
     watchdog.stop()
     dist.destroy_process_group()
 

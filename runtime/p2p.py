@@ -46,9 +46,10 @@ class Comm:
         self.global_rank = global_rank
         self.n_stages, self.m = n_stages, m
         self.timeout = timedelta(seconds=timeout)
-        self.posted: dict[tuple[int, int, int], tuple[list, list[Tensor]]] = {}
+        self.posted: dict[tuple[int, int, int], tuple[int, list, list[Tensor]]] = {}
         self.sending: list[tuple[object, Tensor]] = []
         self.waited = 0.0  # seconds spent waiting since the interpreter last read it
+        self.waiting_on: tuple[int, Kind, int, int] | None = None  # (src, key) of a blocked wait
 
     def _tag(self, kind: Kind, stage: int, mb: int, i: int) -> int:
         return ((kind * self.n_stages + stage) * self.m + mb) * MAX_TENSORS + i
@@ -61,20 +62,22 @@ class Comm:
         works = [
             dist.irecv(b, src=src, tag=self._tag(kind, stage, mb, i)) for i, b in enumerate(buffers)
         ]
-        self.posted[key] = (works, list(buffers))
+        self.posted[key] = (src, works, list(buffers))
 
     def take(self, kind: Kind, stage: int, mb: int) -> tuple[Tensor, ...]:
         """Wait for a posted receive and return its buffers."""
         try:
-            works, buffers = self.posted.pop((kind, stage, mb))
+            src, works, buffers = self.posted.pop((kind, stage, mb))
         except KeyError:
             raise RuntimeError(
                 f"needs {kind.name} of stage {stage} mb {mb}, but no receive was posted for it"
             ) from None
+        self.waiting_on = (src, kind, stage, mb)
         t0 = time.perf_counter()
         for w in works:
             w.wait(self.timeout)
         self.waited += time.perf_counter() - t0
+        self.waiting_on = None
         return tuple(buffers)
 
     def send(self, kind: Kind, stage: int, mb: int, peer: int, tensors: Sequence[Tensor]) -> None:

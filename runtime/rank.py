@@ -98,10 +98,13 @@ class Rank:
         """'rank 2: F s=2 mb=3 (rank_002.pipe:17)', for fault messages."""
         where = f"rank {self.grank}"
         if k is None:
-            return f"{where} (between instructions)"
+            return f"{where} (before its first instruction)"
         instr = self.program[k]
         text = f"{where}: {instr} ({self.source}:{k + FIRST_INSTR_LINE})"
-        if instr.peer is not None:
+        if self.comm is not None and self.comm.waiting_on:
+            src, kind, stage, mb = self.comm.waiting_on
+            text += f", waiting on rank {src} for {kind.name} s={stage} mb={mb}"
+        elif instr.peer is not None:
             text += f", peer rank {self.global_rank(instr.peer)}"
         elif instr.op is Op.ALLREDUCE_GRADS:
             text += ", with its data-parallel group"
