@@ -23,36 +23,38 @@ def storage_key(t: Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-@dataclass(slots=True)
 class Handle:
-    """One saved tensor: the tensor itself, or (while evicted) where to find it in a buffer."""
+    """One saved tensor; while its stash is evicted, where to rebuild it from in the buffer."""
 
-    tensor: Tensor | None
-    key: int
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int  # storage offset, in elements
-    is_param: bool
+    __slots__ = ("tensor", "view")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor: Tensor | None = tensor
+        # (storage key, dtype, size, stride, storage offset), taken when evicted
+        self.view: tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], int] | None = None
 
 
 class SavedTensors:
-    """The tensors autograd saved in one forward; `pack`/`unpack` are the hooks."""
+    """The tensors autograd saved in one forward; `pack`/`unpack` are the hooks.
+
+    `pack` runs for every saved tensor of every forward, so it only counts storages; the
+    layout of each view is taken when (and if) the stash is evicted.
+    """
 
     def __init__(self, param_keys: frozenset[int]) -> None:
         self.param_keys = param_keys
         self.handles: list[Handle] = []
         self.nbytes = 0
         self._sizes: dict[int, int] = {}  # storage key -> bytes, non-parameter storages
-        self._layout: dict[int, int] = {}  # while evicted: storage key -> byte offset in buffer
+        self._offsets: dict[int, int] = {}  # while evicted: storage key -> byte offset in buffer
 
     def pack(self, t: Tensor) -> Handle:
-        key = storage_key(t)
-        is_param = key in self.param_keys
-        if not is_param and key not in self._sizes:
-            self._sizes[key] = t.untyped_storage().nbytes()
-            self.nbytes += self._sizes[key]
-        h = Handle(t, key, t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), is_param)
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self._sizes and key not in self.param_keys:
+            self._sizes[key] = n = storage.nbytes()
+            self.nbytes += n
+        h = Handle(t)
         self.handles.append(h)
         return h
 
@@ -62,42 +64,44 @@ class SavedTensors:
             raise RuntimeError("a stash was used while evicted (LOAD missing before its backward)")
         return h.tensor
 
-    @property
-    def evicted(self) -> bool:
-        return bool(self._layout)
-
     def evict(self) -> Tensor:
         """One flat uint8 buffer holding every non-parameter storage; drops them here."""
         storages: dict[int, Tensor] = {}
+        moved = []
         for h in self.handles:
-            if not h.is_param and h.key not in storages:
-                assert h.tensor is not None, "stash evicted twice"
-                storages[h.key] = _bytes_of(h.tensor)
+            t = h.tensor
+            assert t is not None, "stash evicted twice"
+            key = storage_key(t)
+            if key in self.param_keys:
+                continue
+            storages.setdefault(key, _bytes_of(t))
+            h.view = (key, t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+            moved.append(h)
         offset = 0
         for key, b in storages.items():
-            self._layout[key] = offset
+            self._offsets[key] = offset
             offset += -(-b.numel() // _ALIGN) * _ALIGN
         device = next(iter(storages.values())).device if storages else torch.device("cpu")
         buffer = torch.empty(offset, dtype=torch.uint8, device=device)
         for key, b in storages.items():
-            buffer[self._layout[key] : self._layout[key] + b.numel()] = b
-        for h in self.handles:
-            if not h.is_param:
-                h.tensor = None
+            buffer[self._offsets[key] : self._offsets[key] + b.numel()] = b
+        for h in moved:
+            h.tensor = None
         return buffer
 
     def restore(self, buffer: Tensor) -> None:
         """Rebuild the saved tensors from the buffer `evict` produced (sent back to us)."""
         storage = buffer.untyped_storage()
         for h in self.handles:
-            if h.is_param:
-                continue
-            itemsize = torch.empty((), dtype=h.dtype).element_size()
-            start = self._layout[h.key] // itemsize + h.offset
-            h.tensor = torch.empty(0, dtype=h.dtype, device=buffer.device).set_(
-                storage, start, h.size, h.stride
+            if h.view is None:
+                continue  # a parameter: never left
+            key, dtype, size, stride, offset = h.view
+            start = self._offsets[key] // torch.empty((), dtype=dtype).element_size() + offset
+            h.tensor = torch.empty(0, dtype=dtype, device=buffer.device).set_(
+                storage, start, size, stride
             )
-        self._layout.clear()
+            h.view = None
+        self._offsets.clear()
 
 
 def _bytes_of(t: Tensor) -> Tensor:
