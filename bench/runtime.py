@@ -26,16 +26,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipec.build_dir import emit  # noqa: E402
-from pipec.model import compile_model  # noqa: E402
+from pipec.build_dir import emit
+from pipec.model import compile_model
+from runtime.torchrun import torchrun
 
 MODEL = f"{ROOT}/examples/gpt.py:tiny"
 
 
 def run(build: Path, world: int, steps: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(world), str(build / "launch.py"), "--steps", str(steps), "--threads", "1"]
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    args = ("--steps", str(steps), "--threads", "1")
+    cmd, env = torchrun(build / "launch.py", world, *args)
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
     return json.loads((build / "measured/stats.json").read_text())
 
@@ -57,21 +57,29 @@ def main() -> None:
     for _ in range(args.repeats):
         for p, build in builds.items():  # A B A B: both see the same machine load
             runs[p].append(run(build, p, args.steps))
-    print(f"tiny GPT, {args.schedule}, m={args.microbatches}, {args.steps} steps x {args.repeats} "
-          f"runs per row (median), {os.cpu_count()} cores, gloo")
-    print("| ranks | simulated makespan ms | measured makespan ms | ratio | measured iteration ms |"
-          " bubble sim / measured | peak stash bytes measured / simulated (rank 0) | overhead us/instr |")
+    print(
+        f"tiny GPT, {args.schedule}, m={args.microbatches}, {args.steps} steps x {args.repeats} "
+        f"runs per row (median), {os.cpu_count()} cores, gloo"
+    )
+    print(
+        "| ranks | simulated makespan ms | measured makespan ms | ratio | measured iteration ms |"
+        " bubble sim / measured | peak stash bytes measured / simulated (rank 0) | overhead us/instr |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for p, stats in runs.items():
         sim = stats[0]["simulated"]
         med = {k: statistics.median(s["measured"][k] for s in stats) for k in stats[0]["measured"]}
         spread = [s["measured"]["makespan_ms"] for s in stats]
-        overhead = statistics.median(r["overhead_us_per_instruction"] for s in stats for r in s["ranks"])
+        overhead = statistics.median(
+            r["overhead_us_per_instruction"] for s in stats for r in s["ranks"]
+        )
         rank0 = stats[0]["ranks"][0]
-        print(f"| {p} | {sim['makespan_ms']:.1f} | {med['makespan_ms']:.1f} "
-              f"({min(spread):.1f}-{max(spread):.1f}) | {med['makespan_ms'] / sim['makespan_ms']:.2f} | "
-              f"{med['iteration_ms']:.1f} | {sim['bubble']:.3f} / {med['bubble']:.3f} | "
-              f"{rank0['peak_stash_bytes']} / {rank0['simulated_peak_stash_bytes']} | {overhead:.1f} |")
+        print(
+            f"| {p} | {sim['makespan_ms']:.1f} | {med['makespan_ms']:.1f} "
+            f"({min(spread):.1f}-{max(spread):.1f}) | {med['makespan_ms'] / sim['makespan_ms']:.2f} | "
+            f"{med['iteration_ms']:.1f} | {sim['bubble']:.3f} / {med['bubble']:.3f} | "
+            f"{rank0['peak_stash_bytes']} / {rank0['simulated_peak_stash_bytes']} | {overhead:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -160,14 +160,15 @@ def terminal_gantt(sim: SimResult, width: int = 100) -> str:
 def measured_table(stats: dict) -> str:
     """A run's measured figures beside the simulated ones (runtime/measure.py's stats.json)."""
     m, s = stats["measured"], stats["simulated"]
+    ratio = m["makespan_ms"] / s["makespan_ms"] if s["makespan_ms"] > 0 else float("inf")
     lines = [
         f"measured over {stats['steps_measured']} steps (median) vs simulated "
-        f"({s['cost_source']} costs):",
-        f"  makespan {m['makespan_ms']:.2f} ms vs {s['makespan_ms']:.2f} ms "
-        f"(x{m['makespan_ms'] / s['makespan_ms']:.2f}); iteration {m['iteration_ms']:.2f} ms",
+        + f"({s['cost_source']} costs):",
+        f"  makespan {m['makespan_ms']:.2f} ms vs {s['makespan_ms']:.2f} ms (x{ratio:.2f}); "
+        + f"iteration {m['iteration_ms']:.2f} ms",
         f"  bubble   {m['bubble']:.3f} measured vs {s['bubble']:.3f} simulated",
         f"  {'rank':>4}  {'peak stash measured':>20}  {'simulated':>10}  {'busy ms':>8}  "
-        f"{'sim busy':>8}  {'overhead/instr':>14}",
+        + f"{'sim busy':>8}  {'overhead/instr':>14}",
     ]
     for r in stats["ranks"]:
         sim_peak = r["simulated_peak_stash_bytes"]

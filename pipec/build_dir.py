@@ -47,7 +47,8 @@ def render_files(result: CompileResult) -> dict[str, str]:
     stats |= result.sim.to_json()
     files["plan.json"] = result.plan_text
     files["stats.json"] = dump_json(stats)
-    files["timeline.json"] = json.dumps(chrome_trace(result.sim.timeline, title(result)), sort_keys=True)
+    trace = chrome_trace(result.sim.timeline, title(result))
+    files["timeline.json"] = json.dumps(trace, sort_keys=True)
     files["schedule.svg"] = render_svg(result.sim, title(result))
     model = result.plan["model"]
     if model is not None:  # only a build with a model can train

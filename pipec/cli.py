@@ -81,9 +81,18 @@ def schedules() -> None:
 @cli.command("compile")
 @click.argument("model", required=False)
 @_schedule_options
-@click.option("--partition", default=None, help="With MODEL: uniform, balanced (default) or blocks per stage, e.g. 3,2,2,1.")
-@click.option("--profile", is_flag=True, help="With MODEL: time each stage's F/B/W here instead of estimating FLOPs.")
-@click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel copies of the pipeline (world = p·dp).")
+@click.option(
+    "--partition", default=None,
+    help="With MODEL: uniform, balanced (default) or blocks per stage, e.g. 3,2,2,1.",
+)
+@click.option(
+    "--profile", is_flag=True,
+    help="With MODEL: time each stage's F/B/W here instead of estimating FLOPs.",
+)
+@click.option(
+    "--dp", type=int, default=1, show_default=True,
+    help="Data-parallel copies of the pipeline (world = p·dp).",
+)
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("build"), show_default=True)
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
 def compile_cmd(out: Path, force: bool, **opts) -> None:

@@ -40,7 +40,7 @@ def compile_model(
     p: int,
     m: int,
     v: int | None = None,
-    costs: CostModel = CostModel(),
+    costs: CostModel | None = None,
     memory_limit: float | None = None,
     partition: str = "balanced",
     profile: bool = False,
@@ -50,6 +50,7 @@ def compile_model(
     from pipec.frontend import FrontendError, build_model_plan  # torch: only with a model
 
     default = CostModel()
+    costs = costs or default
     if (costs.F, costs.B, costs.W) != (default.F, default.B, default.W):
         raise PipecError("--costs F/B/W come from the model; with MODEL give only comm=")
     v = family(schedule).default_v if v is None else v
@@ -69,4 +70,3 @@ def compile_model(
     return compile_schedule(
         schedule, p, m, v, model_costs(model, costs), memory_limit, model=model, dp=dp
     )
-

@@ -81,7 +81,10 @@ class Watchdog:
         while not self._stop.is_set():
             if self._takes_sigterm:
                 if signal.sigtimedwait([signal.SIGTERM], poll) is not None:
-                    report(f"{self.where()}: stopped by SIGTERM (torchrun stops every rank when one fails)")
+                    report(
+                        f"{self.where()}: stopped by SIGTERM "
+                        "(torchrun stops every rank when one fails)"
+                    )
             else:
                 time.sleep(poll)
             where = self.current

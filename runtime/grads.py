@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from runtime.rank import Rank
 
 
-def _grads(params) -> list[torch.Tensor]:  # noqa: ANN001
+def _grads(params) -> list[torch.Tensor]:
     return [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
 
 
@@ -43,7 +43,7 @@ def allreduce_grads(rt: Rank, instr: Instr) -> None:
     rt.reductions.append((work, flat, params))
 
 
-def _finish(params, flat: torch.Tensor) -> None:  # noqa: ANN001
+def _finish(params, flat: torch.Tensor) -> None:
     for p, g in zip(params, _unflatten_dense_tensors(flat, _grads(params))):
         p.grad = g
 

@@ -35,12 +35,26 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     ap.add_argument(
-        "--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-        help=f"seconds one instruction may wait before the run is declared hung (default {DEFAULT_TIMEOUT_S:g})",
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds one instruction may wait before the run is called hung ({DEFAULT_TIMEOUT_S:g})",
     )
-    ap.add_argument("--model", default=None, help="factory spec, if not the plan's (e.g. moved file)")
-    ap.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with CUDA, else gloo")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / local ranks)")
+    ap.add_argument(
+        "--model", default=None, help="factory spec, if not the plan's (e.g. moved file)"
+    )
+    ap.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="default: nccl with CUDA, else gloo",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per rank (default: cores / local ranks)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic micro-batches")
     ap.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the medians")
     args = ap.parse_args(argv)
@@ -103,7 +117,7 @@ def main(
         log = _log_step(rt, args.steps) if grank == 0 else None
         traces = train(rt, args.steps, handlers, watchdog, log)
         write_measurements(rt, traces, args.skip)
-    except Exception as e:  # an instruction or a step's collective failed: say where
+    except Exception as e:  # noqa: BLE001 - any failure: say where this rank was, then exit
         report(f"{watchdog.where()}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
     watchdog.stop()
     dist.destroy_process_group()
@@ -111,7 +125,10 @@ def main(
 
 def _log_step(rt: Rank, steps: int) -> Callable[[int, float, StepTrace], None]:
     def log(step: int, loss: float, trace: StepTrace) -> None:
-        print(f"step {step + 1:>3}/{steps}  loss {loss:.4f}  ({trace.wall_s * 1000:.1f} ms)", flush=True)
+        print(
+            f"step {step + 1:>3}/{steps}  loss {loss:.4f}  ({trace.wall_s * 1000:.1f} ms)",
+            flush=True,
+        )
 
     return log
 

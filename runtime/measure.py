@@ -43,10 +43,16 @@ class RankReport:
     overhead_us: float  # median over steps of the interpreter's own time per instruction
 
 
-def rank_report(rank: int, program: tuple[Instr, ...], peak: int, traces: list[StepTrace]) -> RankReport:
+def rank_report(
+    rank: int, program: tuple[Instr, ...], peak: int, traces: list[StepTrace]
+) -> RankReport:
     steps = []
     for t in traces:
-        compute = [(t.start[k] - t.begin, t.end[k] - t.begin) for k, i in enumerate(program) if i.op in COMPUTE_OPS]
+        compute = [
+            (t.start[k] - t.begin, t.end[k] - t.begin)
+            for k, i in enumerate(program)
+            if i.op in COMPUTE_OPS
+        ]
         busy = sum(e - s for s, e in compute)
         first = min((s for s, _ in compute), default=0.0)
         last = max((e for _, e in compute), default=0.0)

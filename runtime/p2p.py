@@ -109,7 +109,10 @@ class Comm:
 
 
 def _buffers(rt: Rank, stage: int, which: str) -> list[Tensor]:
-    return [torch.empty(shape, dtype=dtype, device=rt.device) for shape, dtype in rt.boundary(stage, which)]
+    return [
+        torch.empty(shape, dtype=dtype, device=rt.device)
+        for shape, dtype in rt.boundary(stage, which)
+    ]
 
 
 def recv_act(rt: Rank, instr: Instr) -> None:

@@ -67,7 +67,7 @@ class Rank:
     peak: int = 0
 
     @property
-    def layout(self):  # noqa: ANN201 - pipec.ir.Layout
+    def layout(self):
         return self.build.compiled.layout
 
     @property
@@ -113,14 +113,18 @@ class Rank:
     def account(self, nbytes: int) -> None:
         """Add `nbytes` (negative: release) to the live stash bytes; keep the peak."""
         self.live += nbytes
-        if self.live > self.peak:
-            self.peak = self.live
+        self.peak = max(self.peak, self.live)
 
     def batch(self, mb: int) -> tuple[tuple[Tensor, ...], Tensor]:
         """Inputs and target of this copy's micro-batch `mb`, on this rank's device."""
         if mb not in self.batch_cache:
-            inputs, target = micro_batch(self.spec, self.dp_index * self.layout.m + mb, self.data_seed)
-            self.batch_cache[mb] = (tuple(x.to(self.device) for x in inputs), target.to(self.device))
+            inputs, target = micro_batch(
+                self.spec, self.dp_index * self.layout.m + mb, self.data_seed
+            )
+            self.batch_cache[mb] = (
+                tuple(x.to(self.device) for x in inputs),
+                target.to(self.device),
+            )
         return self.batch_cache[mb]
 
     def boundary(self, stage: int, which: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -200,8 +204,18 @@ class Rank:
         }
         recomputed = frozenset((i.stage, i.mb) for i in program if i.op is Op.RECOMPUTE)
         return Rank(
-            build, rank, dp_index, world, device, program, modules, param_keys, split,
-            recomputed, factory, data_seed,
+            build,
+            rank,
+            dp_index,
+            world,
+            device,
+            program,
+            modules,
+            param_keys,
+            split,
+            recomputed,
+            factory,
+            data_seed,
         )
 
     def connect(self, optimizer: OptimizerFactory, timeout: float) -> None:

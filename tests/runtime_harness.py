@@ -13,21 +13,21 @@ from runtime.faults import take_termination_signals
 
 take_termination_signals()  # before torch starts threads, as launch.py does
 
-import json  # noqa: E402
-import sys  # noqa: E402
-from functools import cache  # noqa: E402
-from pathlib import Path  # noqa: E402
+import json
+import sys
+from functools import cache
+from pathlib import Path
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from pipec.build_dir import load  # noqa: E402
-from pipec.frontend import load_factory  # noqa: E402
-from runtime.data import micro_batch  # noqa: E402
-from runtime.faults import Watchdog  # noqa: E402
-from runtime.interpreter import HANDLERS  # noqa: E402
-from runtime.main import train, write_measurements  # noqa: E402
-from runtime.rank import Rank  # noqa: E402
+from pipec.build_dir import load
+from pipec.frontend import load_factory
+from runtime.data import micro_batch
+from runtime.faults import Watchdog
+from runtime.interpreter import HANDLERS
+from runtime.main import train, write_measurements
+from runtime.rank import Rank
 
 TIMEOUT_S = 60.0
 
@@ -81,7 +81,9 @@ def compare_grads(rt: Rank, captured: dict[int, torch.Tensor]) -> dict:
     worst, names = 0.0, set()
     for module in rt.modules.values():
         for name, p in module.named_parameters(remove_duplicate=False):
-            torch.testing.assert_close(captured[id(p)], ref[name], msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                captured[id(p)], ref[name], msg=lambda m, n=name: f"{n}: {m}"
+            )
             worst = max(worst, (captured[id(p)] - ref[name]).abs().max().item())
             names.add(name)
     return {"max_abs_diff": worst, "names": sorted(names)}

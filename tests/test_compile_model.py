@@ -11,21 +11,13 @@ from pathlib import Path
 import pytest
 
 from passes.registry import SCHEDULES, family
-from pipec.cli import main
 from pipec.compile import compile_schedule
 from pipec.frontend import load_factory, measure_stash_bytes, split_model
 from pipec.ir import Op
+from tests.test_cli import cli_run
 
 ROOT = Path(__file__).resolve().parents[1]
 family("1f1b")  # registers the built-in families
-
-
-def cli_run(*args: str) -> int:
-    try:
-        main(list(args))
-    except SystemExit as e:
-        return int(e.code or 0)
-    return 0
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +28,18 @@ def build(tmp_path_factory) -> Path:
     try:
         os.chdir(ROOT)
         t0 = time.perf_counter()
-        code = cli_run("compile", "examples/gpt.py:tiny", "--schedule", "1f1b", "--pp", "4",
-                       "-m", "8", "--out", str(out))
+        code = cli_run(
+            "compile",
+            "examples/gpt.py:tiny",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "4",
+            "-m",
+            "8",
+            "--out",
+            str(out),
+        )
         elapsed = time.perf_counter() - t0
     finally:
         os.chdir(cwd)
@@ -82,7 +84,12 @@ def test_measured_stash_bytes_per_stage_match_the_simulator(build):
 
 def test_model_errors_are_one_line_exit_2(tmp_path, capsys):
     broken = ROOT / "tests/frontend_models/broken.py:assert_on_shape"
-    assert cli_run("compile", str(broken), "-s", "1f1b", "-p", "2", "-m", "2", "-o", str(tmp_path / "b")) == 2
+    assert (
+        cli_run(
+            "compile", str(broken), "-s", "1f1b", "-p", "2", "-m", "2", "-o", str(tmp_path / "b")
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "AssertOnShape" in err and "broken.py:" in err
     gpt = str(ROOT / "examples/gpt.py:tiny")
@@ -104,5 +111,7 @@ def test_dp_syncs_each_stage_once_after_its_last_backward(name):
         assert sorted(program[k].stage for k in syncs) == list(layout.stages_of_rank(r))
         for k in syncs:
             s = program[k].stage
-            last = max(j for j, i in enumerate(program) if i.stage == s and i.op in (Op.B, Op.W, Op.BW))
+            last = max(
+                j for j, i in enumerate(program) if i.stage == s and i.op in (Op.B, Op.W, Op.BW)
+            )
             assert last == k - 1 and program[k].peer is None

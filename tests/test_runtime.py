@@ -10,9 +10,7 @@ EVICT/LOAD/ACCEPT/RETURN, replica ALLREDUCE_GRADS), and --dp exercises data para
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,9 +26,12 @@ from pipec.compile import CompileResult, package
 from pipec.frontend import build_model_plan, load_factory
 from pipec.ir import Instr, Layout, Op, Pipeline, Schedule
 from pipec.model import compile_model, model_costs
+from runtime.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT, GPT_TIED, LLAMA = (f"{ROOT}/examples/{f}" for f in ("gpt.py:tiny", "gpt.py:tiny_tied", "llama.py:tiny"))
+GPT, GPT_TIED, LLAMA = (
+    f"{ROOT}/examples/{f}" for f in ("gpt.py:tiny", "gpt.py:tiny_tied", "llama.py:tiny")
+)
 P, M = 4, 8
 family("1f1b")  # registers the built-in families
 FAMILIES = sorted(SCHEDULES)
@@ -62,15 +63,19 @@ def two_replicas() -> CompileResult:
     right after its last backward."""
     stage_rank = (0, 1, 2, 3, 3, 2, 1, 0)
     layout = Layout(
-        P, stage_rank, (0, 1, 2, 3) * 2,
+        P,
+        stage_rank,
+        (0, 1, 2, 3) * 2,
         (Pipeline((0, 1, 2, 3), (0, 1, 2, 3)), Pipeline((4, 5, 6, 7), (4, 5, 6, 7))),
     )
     orders = []
     for r in range(P):
         down, up = r, 7 - r
         orders.append(
-            tuple(Instr(Op.F, down, i) for i in range(4)) + tuple(Instr(Op.F, up, i) for i in range(4, 8))
-            + tuple(Instr(Op.BW, up, i) for i in range(4, 8)) + tuple(Instr(Op.BW, down, i) for i in range(4))
+            tuple(Instr(Op.F, down, i) for i in range(4))
+            + tuple(Instr(Op.F, up, i) for i in range(4, 8))
+            + tuple(Instr(Op.BW, up, i) for i in range(4, 8))
+            + tuple(Instr(Op.BW, down, i) for i in range(4))
         )
     model = build_model_plan(GPT, 4, v=1, replicas=2, progress=False).to_json()
     costs = model_costs(model, CostModel())
@@ -114,19 +119,20 @@ def launched(tmp_path_factory):
         listing.append({"name": name, "build": str(tmp / f"case{k}")} | extra)
     (tmp / "cases.json").write_text(json.dumps(listing))
     (tmp / "results").mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(ROOT / "tests/runtime_harness.py"), str(tmp / "cases.json"), str(tmp / "results")]
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+    harness = ROOT / "tests/runtime_harness.py"
+    cmd, env = torchrun(harness, 4, str(tmp / "cases.json"), str(tmp / "results"))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads((tmp / "results" / f"{r}.json").read_text()) for r in range(4)]
     return cases, results, proc.stdout, {c["name"]: Path(c["build"]) for c in listing}
 
 
 def grads_cases() -> list[str]:
-    return [f"gpt/{f}" for f in FAMILIES] + [f"llama/{f}" for f in LLAMA_FAMILIES] + [
-        "gpt-tied/1f1b", "gpt/1f1b-dp2", "gpt/1f1b-evict", "gpt/replicas"
-    ]
+    return (
+        [f"gpt/{f}" for f in FAMILIES]
+        + [f"llama/{f}" for f in LLAMA_FAMILIES]
+        + ["gpt-tied/1f1b", "gpt/1f1b-dp2", "gpt/1f1b-evict", "gpt/replicas"]
+    )
 
 
 @pytest.mark.parametrize("case", grads_cases())
@@ -173,7 +179,7 @@ def test_evicted_stashes_live_on_the_acceptor(launched):
 
 def test_measured_timeline_and_show(launched, capsys):
     """The run wrote OUT/measured/ in the simulated timeline's format; `pipec show` prints it."""
-    cases, results, stdout, dirs = launched
+    _, results, stdout, dirs = launched
     build = dirs[f"train/{BEST}"]
     simulated = json.loads((build / "timeline.json").read_text())
     measured = json.loads((build / "measured/timeline.json").read_text())

@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from pipec.ir import Op, PipecError
 from pipec.model import compile_model
 from runtime.interpreter import HANDLERS, check_program
 from runtime.main import main
+from runtime.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT}/examples/gpt.py:tiny"
@@ -45,18 +45,19 @@ class Launch:
     """torchrun on OUT/launch.py with its output lines collected as they come."""
 
     def __init__(self, build: Path, *args: str) -> None:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               "4", str(build / "launch.py"), *args]
-        env = os.environ | {"PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+        cmd, env = torchrun(build / "launch.py", 4, *args)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         self.lines: list[tuple[float, str]] = []
-        self._readers = [threading.Thread(target=self._read, args=(s,)) for s in
-                         (self.proc.stdout, self.proc.stderr)]
+        self._readers = [
+            threading.Thread(target=self._read, args=(s,))
+            for s in (self.proc.stdout, self.proc.stderr)
+        ]
         for t in self._readers:
             t.start()
 
-    def _read(self, stream) -> None:  # noqa: ANN001
+    def _read(self, stream) -> None:
         for line in stream:
             self.lines.append((time.monotonic(), line.rstrip("\n")))
 
@@ -108,7 +109,9 @@ def _ancestor(pid: int, ancestor: int) -> bool:
     return False
 
 
-INSTRUCTION = re.compile(r"[A-Z_]+(?: s=\d+)?(?: mb=\d+)?(?: (?:to|from)=\d+)? \(rank_\d{3}\.pipe:\d+\)")
+INSTRUCTION = re.compile(
+    r"[A-Z_]+(?: s=\d+)?(?: mb=\d+)?(?: (?:to|from)=\d+)? \(rank_\d{3}\.pipe:\d+\)"
+)
 
 
 @pytest.mark.slow
@@ -140,7 +143,9 @@ def test_a_dead_or_hung_rank_stops_every_rank_with_a_message(build, fault):
     assert code != 0
 
 
-def _refused(build: Path, monkeypatch, capsys, world: int = 4, rank: int = 1, handlers=HANDLERS) -> str:
+def _refused(
+    build: Path, monkeypatch, capsys, world: int = 4, rank: int = 1, handlers=HANDLERS
+) -> str:
     """Run one rank's entry point in-process with no peers: it must refuse, not wait for them."""
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -157,9 +162,15 @@ def _refused(build: Path, monkeypatch, capsys, world: int = 4, rank: int = 1, ha
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda t: t.replace("F s=1 mb=3\n", "F s=1 mb=three\n"), r"rank_001.pipe:\d+: not an instruction"),
+        (
+            lambda t: t.replace("F s=1 mb=3\n", "F s=1 mb=three\n"),
+            r"rank_001.pipe:\d+: not an instruction",
+        ),
         (lambda t: t.replace("version=1", "version=7"), "format version 7"),
-        (lambda t: re.sub(r"plan=[0-9a-f]{16}", "plan=" + "0" * 16, t), "header does not match plan.json"),
+        (
+            lambda t: re.sub(r"plan=[0-9a-f]{16}", "plan=" + "0" * 16, t),
+            "header does not match plan.json",
+        ),
     ],
 )
 def test_a_corrupted_program_is_refused_before_any_communication(
@@ -176,7 +187,10 @@ def test_a_corrupted_program_is_refused_before_any_communication(
 
 def test_a_wrong_world_size_is_refused(build, monkeypatch, capsys):
     err = _refused(build, monkeypatch, capsys, world=2)
-    assert "the plan has 4 pipeline ranks x 1 data-parallel copies = 4 ranks, but this run has 2" in err
+    assert (
+        "the plan has 4 pipeline ranks x 1 data-parallel copies = 4 ranks, but this run has 2"
+        in err
+    )
 
 
 def test_an_op_without_handler_is_refused_naming_op_and_line(build, monkeypatch, capsys):
