@@ -5,7 +5,8 @@ Durations are per stage op in the user's unit (the zero-bubble papers' tables ar
 model chunk its own cost. Memory is in units of one micro-batch's stash of one rank's full
 share of the model: F adds `mem_F`, W adds `mem_W` (a release, so negative) and B the rest, so
 that a micro-batch nets zero; with recompute, F keeps only `mem_input` and RECOMPUTE adds back
-what is missing before the backward.
+what is missing before the backward. With a model, `stash_bytes` gives one micro-batch's stash
+of each chunk in bytes (measured by the frontend), so memory is also reported in bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class CostModel:
     mem_F: float = 1.0
     mem_W: float = -1.0
     mem_input: float = 1.0 / 16
+    stash_bytes: tuple[float, ...] = ()
+    """Bytes of one micro-batch's stash per model chunk; empty without a model."""
 
     def per_chunk(self, kind: str, chunk: int) -> float:
         values = getattr(self, kind)
@@ -71,18 +74,25 @@ class CostModel:
                 raise PipecError(
                     f"--costs {kind} has {n} values; give one, or one per model chunk ({n_chunks})"
                 )
+        if self.stash_bytes and len(self.stash_bytes) != n_chunks:
+            raise PipecError(
+                f"the model has {len(self.stash_bytes)} chunks, the schedule {n_chunks}; recompile"
+            )
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "F": list(self.F), "B": list(self.B), "W": list(self.W), "comm": self.comm,
             "mem_F": self.mem_F, "mem_W": self.mem_W, "mem_input": self.mem_input,
         }
+        if self.stash_bytes:  # absent without a model, so schedule-only plans keep their hash
+            d["stash_bytes"] = list(self.stash_bytes)
+        return d
 
     @staticmethod
     def from_json(d: dict) -> CostModel:
         return CostModel(
             tuple(d["F"]), tuple(d["B"]), tuple(d["W"]), d["comm"],
-            d["mem_F"], d["mem_W"], d["mem_input"],
+            d["mem_F"], d["mem_W"], d["mem_input"], tuple(d.get("stash_bytes", ())),
         )
 
 

@@ -33,6 +33,8 @@ class RankStats:
     busy: float
     span: float
     peak_activations: float
+    peak_stash_bytes: float | None = None
+    """The peak in bytes when the cost model has per-chunk stash bytes (a model was given)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class SimResult:
                     "span": _round(s.span),
                     "peak_activations": _round(s.peak_activations),
                 }
+                | ({} if s.peak_stash_bytes is None else {"peak_stash_bytes": s.peak_stash_bytes})
                 for r, s in enumerate(self.ranks)
             ],
         }
@@ -178,8 +181,14 @@ def simulate(
         busy = sum(s.end - s.start for s in slots)
         span = slots[-1].end - slots[0].start if slots else 0.0
         peak = max([0.0, *activation_profile(prog, layout, costs, recompute)])
+        peak_bytes = None
+        if costs.stash_bytes:
+            # F adds mem_F stashes, which weigh the chunk's measured stash bytes.
+            per_stash = [b / costs.mem_F for b in costs.stash_bytes]
+            profile = activation_profile(prog, layout, costs, recompute, per_stash)
+            peak_bytes = round(max([0.0, *profile]))
         timeline.append(slots)
-        ranks.append(RankStats(busy, span, peak))
+        ranks.append(RankStats(busy, span, peak, peak_bytes))
     makespan = max((s[-1].end for s in timeline if s), default=0.0)
     total_busy = sum(r.busy for r in ranks)
     bubble = 1 - total_busy / (len(programs) * makespan) if makespan > 0 else 0.0

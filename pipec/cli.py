@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from codegen.render import terminal_gantt
+from codegen.render import measured_table, terminal_gantt
 from passes.costs import parse_costs, parse_mem
 from passes.registry import SCHEDULES, family
 from passes.simulate import SimResult, simulate
@@ -21,6 +21,7 @@ from pipec.build_dir import emit, load
 from pipec.compile import CompileResult, compile_schedule
 from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
 from pipec.ir import PipecError
+from pipec.model import compile_model
 
 
 def _schedule_options(fn: Callable) -> Callable:
@@ -42,24 +43,36 @@ def _schedule_options(fn: Callable) -> Callable:
 
 
 def _compile(
-    schedule, from_torch, from_torch_csv, pp, microbatches, chunks, costs, mem, memory_limit
+    schedule, from_torch, from_torch_csv, pp, microbatches, chunks, costs, mem, memory_limit,
+    model=None, partition=None, profile=False, dp=1,
 ) -> CompileResult:
-    model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
+    cost_model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
     if sum(x is not None for x in (schedule, from_torch, from_torch_csv)) != 1:
         raise click.UsageError("give one of --schedule, --from-torch or --from-torch-csv")
+    if model is None and (partition is not None or profile):
+        raise PipecError("--partition and --profile need a MODEL (path/to/file.py:factory)")
+    if model is not None and schedule is None:
+        raise PipecError("a MODEL compiles with --schedule; imported torch orders take no MODEL yet")
     if from_torch_csv is not None:
-        return compile_torch_csv(from_torch_csv, model, memory_limit, (pp, microbatches, chunks))
+        return compile_torch_csv(
+            from_torch_csv, cost_model, memory_limit, (pp, microbatches, chunks)
+        )
     for flag, value in (("--pp", pp), ("--microbatches", microbatches)):
         if value is None:
             raise click.UsageError(f"Missing option '{flag}'.")
     if from_torch is not None:
         result, notes = compile_torch_class(
-            from_torch, pp, microbatches, chunks, model, memory_limit
+            from_torch, pp, microbatches, chunks, cost_model, memory_limit
         )
         for note in notes:
             click.echo(f"pipec: note: {note}", err=True)
         return result
-    return compile_schedule(schedule, pp, microbatches, chunks, model, memory_limit)
+    if model is None:
+        return compile_schedule(schedule, pp, microbatches, chunks, cost_model, memory_limit, dp=dp)
+    return compile_model(
+        model, schedule, pp, microbatches, chunks, cost_model, memory_limit,
+        partition or "balanced", profile, dp,
+    )
 
 
 def _rank_table(sim: SimResult) -> str:
@@ -87,11 +100,24 @@ def schedules() -> None:
 
 
 @cli.command("compile")
+@click.argument("model", required=False)
 @_schedule_options
+@click.option(
+    "--partition", default=None,
+    help="With MODEL: uniform, balanced (default) or blocks per stage, e.g. 3,2,2,1.",
+)
+@click.option(
+    "--profile", is_flag=True,
+    help="With MODEL: time each stage's F/B/W here instead of estimating FLOPs.",
+)
+@click.option(
+    "--dp", type=int, default=1, show_default=True,
+    help="Data-parallel copies of the pipeline (world = p·dp).",
+)
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("build"), show_default=True)
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
 def compile_cmd(out: Path, force: bool, **opts) -> None:
-    """Compile a schedule into verified per-rank programs in OUT."""
+    """Compile a schedule (for MODEL, path/to/file.py:factory, if given) into programs in OUT."""
     result = _compile(**opts)
     emit(result, out, force)
     sim = result.sim
@@ -133,6 +159,9 @@ def show(directory: Path, lines: int, width: int) -> None:
     sim = simulate(c.layout, c.programs, build.costs)
     click.echo(_rank_table(sim))
     click.echo(terminal_gantt(sim, width))
+    measured = directory / "measured" / "stats.json"
+    if measured.is_file():  # written by a run of OUT/launch.py
+        click.echo(measured_table(json.loads(measured.read_text())))
 
 
 @cli.command("verify")

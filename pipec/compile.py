@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 from codegen.render import dump_json
 from passes.costs import CostModel
+from passes.data_parallel import add_dp_sync
 from passes.lower import lower
 from passes.registry import Request, build_schedule, family
-from passes.simulate import SimResult, play, simulate
+from passes.simulate import Played, SimResult, play, simulate
 from passes.verify import verify
-from pipec.ir import Compiled, Schedule
+from pipec.ir import Compiled, PipecError, Schedule
 
 PLAN_FORMAT = "pipec.plan/1"
 
@@ -60,12 +61,18 @@ def compile_schedule(
     costs: CostModel = CostModel(),
     memory_limit: float | None = None,
     model: dict | None = None,
+    dp: int = 1,
 ) -> CompileResult:
-    """Build a registered family's schedule, then lower, simulate and verify it."""
+    """Build a registered family's schedule, then lower, simulate and verify it.
+
+    `dp` > 1 adds data-parallel gradient sync; the world is then p·dp ranks.
+    """
+    if dp < 1:
+        raise PipecError(f"--dp must be at least 1 (got {dp})")
     v = family(schedule).default_v if v is None else v
     with gc_paused():
         sched = build_schedule(schedule, Request(p, m, v, costs, memory_limit))
-        return compile_from_schedule(sched, costs, memory_limit, model)
+        return compile_from_schedule(sched, costs, memory_limit, model, dp)
 
 
 def compile_from_schedule(
@@ -73,31 +80,42 @@ def compile_from_schedule(
     costs: CostModel = CostModel(),
     memory_limit: float | None = None,
     model: dict | None = None,
+    dp: int = 1,
 ) -> CompileResult:
     """Lower, simulate and verify a schedule built anywhere (a family, an imported order)."""
     with gc_paused():
-        return _compile(sched, costs, memory_limit, model)
+        costs.check_chunks(sched.layout.n_chunks)
+        played = play(sched.layout, sched.orders, costs)  # lowering keeps the compute orders
+        compiled = lower(sched, costs, played)
+        if dp > 1:
+            compiled = add_dp_sync(compiled)
+        return package(compiled, costs, memory_limit, model, dp, played)
 
 
-def _compile(
-    sched: Schedule, costs: CostModel, memory_limit: float | None, model: dict | None
+def package(
+    compiled: Compiled,
+    costs: CostModel,
+    memory_limit: float | None = None,
+    model: dict | None = None,
+    dp: int = 1,
+    played: Played | None = None,
 ) -> CompileResult:
-    costs.check_chunks(sched.layout.n_chunks)
-    played = play(sched.layout, sched.orders, costs)  # lowering keeps the compute orders
-    compiled = lower(sched, costs, played)
+    """Simulate and verify lowered programs and make their plan (also hand-written programs)."""
     sim = simulate(compiled.layout, compiled.programs, costs, played)
     verify(compiled, costs, [r.peak_activations for r in sim.ranks], memory_limit)
     plan = {
         "format": PLAN_FORMAT,
-        "schedule": sched.name,
-        "p": sched.p,
-        "m": sched.m,
-        "v": sched.v,
+        "schedule": compiled.schedule,
+        "p": compiled.p,
+        "m": compiled.m,
+        "v": compiled.v,
         "world": compiled.world,
         "layout": compiled.layout.to_json(),
         "costs": costs.to_json(),
         "memory_limit": memory_limit,
         "model": model,
     }
+    if dp > 1:  # absent for dp=1, so schedule-only plans (and golden headers) keep their hash
+        plan["dp"] = dp
     text = dump_json(plan)
     return CompileResult(compiled, sim, costs, plan, text, plan_hash(text))
