@@ -83,6 +83,8 @@ class Comm:
     def send(self, kind: Kind, stage: int, mb: int, peer: int, tensors: Sequence[Tensor]) -> None:
         if len(tensors) > MAX_TENSORS:
             raise RuntimeError(f"{len(tensors)} tensors in one message; at most {MAX_TENSORS}")
+        # Release finished sends' buffers. gloo's send work reports completion only once
+        # waited, so there they are all released at the optimizer step (drain); NCCL's sooner.
         self.sending = [(w, t) for w, t in self.sending if not w.is_completed()]
         dst = self.global_rank(peer)
         for i, t in enumerate(tensors):

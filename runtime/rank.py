@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipec.build_dir import Build, rank_file
-from pipec.frontend import FrontendError, build_stages, load_factory
+from pipec.frontend import FrontendError, ModelSpec, build_stages, load_factory
 from pipec.ir import Instr, Op, PipecError
 from runtime.bwsplit import split_backward
 from runtime.data import micro_batch
@@ -47,7 +47,7 @@ class Rank:
     param_keys: dict[int, frozenset[int]]
     split: bool
     recomputed: frozenset[tuple[int, int]]
-    spec: object  # pipec.frontend.ModelSpec: loss_fn and the example micro-batch
+    spec: ModelSpec  # loss_fn and the example micro-batch (for the synthetic data)
     data_seed: int = 0
     comm: Comm | None = None
     optimizer: torch.optim.Optimizer | None = None

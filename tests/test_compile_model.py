@@ -57,7 +57,7 @@ def test_compile_model_writes_plan_costs_and_launcher(build):
     # The simulator's per-chunk costs are the plan's per-stage seconds, in ms.
     for kind in "FBW":
         assert plan["costs"][kind] == [s["seconds"][kind] * 1000 for s in model["stages"]]
-    assert "torchrun --nproc-per-node 4 launch.py" in (build / "launch.py").read_text()
+    assert "torchrun --standalone --nproc-per-node 4 launch.py" in (build / "launch.py").read_text()
 
 
 def test_measured_stash_bytes_per_stage_match_the_simulator(build):

@@ -197,3 +197,14 @@ def test_measured_timeline_and_show(launched, capsys):
     pipec_main(["show", str(build), "--lines", "2"])
     out = capsys.readouterr().out
     assert "measured over 29 steps" in out and "peak stash measured" in out
+
+
+def test_v_min_halves_rank_0s_stash_measured(launched):
+    """The issue's figure: V-Min's measured peak on rank 0 is at most 0.4x 1F1B's."""
+    if "v-min" not in SCHEDULES:
+        pytest.skip("v-min is not registered in this checkout (it comes with the zero-bubble work)")
+    _, results, _, _ = launched
+    assert (
+        results[0]["gpt/v-min"]["peak_stash_bytes"]
+        <= 0.4 * results[0]["gpt/1f1b"]["peak_stash_bytes"]
+    )
