@@ -15,10 +15,9 @@ $(VENV)/.installed: pyproject.toml
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
-# Until the runtime lands: compile an example schedule and show it.
+# The main job: compile the tiny GPT for 4 ranks and train it a few steps under torchrun (CPU).
 demo: $(VENV)/.installed
-	$(PY) -m pipec compile --schedule 1f1b --pp 4 --microbatches 8 --out build/demo --force
-	$(PY) -m pipec show build/demo --lines 8
+	$(PY) examples/demo.py
 
 clean:
 	rm -rf $(VENV) build
