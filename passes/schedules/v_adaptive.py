@@ -90,6 +90,25 @@ def longest_span(orders: Orders, dur: Durations, comm: float) -> float:
     return max(s[-1] + dur[r][orders[r][-1]] - s[0] for r, s in enumerate(starts))
 
 
+def _trials(
+    p: int, m: int, dur: Durations, comm: float, levels: list[tuple]
+) -> list[tuple[float, int, tuple]]:
+    """(longest span, level rank, block) of each block's quick build at m micro-batches,
+    top level first; stops at a schedule without bubbles (nothing can beat it)."""
+    floor = m * max(sum(d.values()) for d in dur)  # the busiest rank's work
+    out = []
+    for rank, blocks in enumerate(reversed(levels)):
+        for block in blocks:
+            orders = build([list(s) for s in block], m, thorough=False)
+            if orders is None:
+                continue
+            span = longest_span(orders, dur, comm)
+            out.append((span, rank, block))
+            if span <= floor + 1e-9:
+                return out
+    return out
+
+
 def search(p: int, m: int, costs: CostModel, limit: float) -> Orders:
     """The best orders found with a peak of at most `limit` (stashes, or --mem units)."""
     stash = 0.5 * costs.mem_F  # a chunk's stash: half a rank's share
@@ -98,13 +117,7 @@ def search(p: int, m: int, costs: CostModel, limit: float) -> Orders:
     if not fitting:
         raise PipecError(_infeasible(p, m, limit, stash, levels[min(levels)]))
     dur = durations(p, costs)
-    trial_m = min(m, 2 * p)
-    shortlist = []
-    for level in fitting[-LEVELS:]:
-        for block in levels[level]:
-            orders = build([list(s) for s in block], trial_m, thorough=False)
-            if orders is not None:
-                shortlist.append((longest_span(orders, dur, costs.comm), -level, block))
+    shortlist = _trials(p, min(m, 2 * p), dur, costs.comm, [levels[k] for k in fitting[-LEVELS:]])
     if not shortlist:  # no block took the paper's cool-down: fall back on the top level's
         shortlist = [(0.0, 0, block) for block in levels[fitting[-1]]]
     best: tuple[float, Orders] | None = None
