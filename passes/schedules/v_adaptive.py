@@ -7,11 +7,13 @@ the rest. Blocks whose passes collide modulo 6 are dropped. A block's memory is 
 phase's peak (the lifespan rule); the larger it may be, the smaller the bubble, so the search
 visits the memory levels that fit under the limit from the top.
 
-The paper's search builds and times every candidate. That is thousands of constructions at
-p = 16, so the search here is capped: within a level, blocks are ranked by a cheap proxy (the
-longest rank span of the plain repeated block under the real costs), and only the best few
-of the top few levels are fully built (repeat, squeeze, reorder) and timed; the winner is the
-one with the shortest longest span (the papers' iteration time) under the real costs.
+The paper's search builds and times every candidate: 928 distinct blocks at p = 16, tens of
+milliseconds each. The search here is capped. Only the top LEVELS memory levels that fit are
+visited; each of their blocks is built once, cheaply (the paper's cool-down only, at
+min(m, 2p) micro-batches), stopping early at a schedule without bubbles; the FINALISTS
+shortest are rebuilt for the real m with every variant and timed under the real costs. The
+winner has the shortest longest rank span (the papers' iteration time). Under costs far from
+the unit ones this can miss a block the exhaustive search would find.
 """
 
 from __future__ import annotations
