@@ -1,18 +1,10 @@
-"""The CLI with the zero-bubble and V-shape families: --mem units, and bad input as one line, exit 2."""
+"""The CLI with the zero-bubble and V-shape families: --mem units; bad input is one line, exit 2."""
 
 import json
 
 import pytest
 
-from pipec.cli import main
-
-
-def cli(*args: str) -> int:
-    try:
-        main(list(args))
-    except SystemExit as e:
-        return int(e.code or 0)
-    return 0
+from tests.test_cli import cli_run as cli
 
 
 def test_zb_1p_in_mem_units_matches_table5(capsys):

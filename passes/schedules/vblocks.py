@@ -33,7 +33,7 @@ _WAITS_FOR = {
     "W": (0, "B"),
     "w": (0, "b"),
 }
-#: At the ends of the V the neighbour is on the same rank: the pass before in the same chunk.
+#: At the ends of the V the pass before is on the same rank (where the V turns, or the loss).
 _TURN = {"f": "F", "B": "f", "b": "B"}
 #: Activation memory of a pass in chunk stashes (the count the lifespan rule bounds).
 MEM = {"F": 1, "f": 1, "B": 0, "b": 0, "W": -1, "w": -1, " ": 0}

@@ -137,7 +137,7 @@ def list_cooldown(grid: list[list[str]]) -> Orders:
                 queue.popleft()
         todo.append({k: row[cut[r] :].count(k) for k in "Bb"})
         owed.append(queue)
-        rows.append([c for c in row[: cut[r]]])
+        rows.append(list(row[: cut[r]]))
     left = sum(2 * (t["B"] + t["b"]) + len(q) for t, q in zip(todo, owed))
     t = min(cut)
     while left:
@@ -171,9 +171,9 @@ def list_cooldown(grid: list[list[str]]) -> Orders:
 
 
 def fill_bubbles(grid: list[list[str]], tops: list[int]) -> Orders:
-    """Sweep the slots left to right; an idle slot takes the first later pass of its kind on
-    the same rank whose input is ready there, unless moving an F/f up would raise the rank's
-    peak above `tops[r]`."""
+    """Sweep the slots left to right; an idle slot takes a later pass of the same rank: the
+    first one of its kind, the kinds in the order they come, whose input is ready there (an
+    F or f only if moving it up keeps the rank's peak within `tops[r]`)."""
     p, length = len(grid), len(grid[0])
     last = [
         {k: max((j for j, c in enumerate(row) if c == k), default=-1) for k in KINDS}

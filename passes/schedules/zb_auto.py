@@ -23,7 +23,7 @@ from passes.registry import Request, only_v, schedule
 from pipec.ir import Instr, Op, PipecError, Schedule, single_pipeline
 
 _EPS = 1e-9
-KINDS = (Op.F, Op.B, Op.W)
+_PASSES = (Op.F, Op.B, Op.W)
 
 
 @dataclass(frozen=True)
@@ -58,13 +58,13 @@ class _Greedy:
     deltas: dict[Op, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.count = {k: [0] * self.p for k in KINDS}
+        self.count = {k: [0] * self.p for k in _PASSES}
         self.end, self.mem, self.bubble = [0.0] * self.p, [0.0] * self.p, [0.0] * self.p
         self.orders = [[] for _ in range(self.p)]
         self.durations = {
-            k: [self.costs.per_chunk(k.value, s) for s in range(self.p)] for k in KINDS
+            k: [self.costs.per_chunk(k.value, s) for s in range(self.p)] for k in _PASSES
         }
-        self.deltas = {k: self.costs.mem_delta(k, recompute=False) for k in KINDS}
+        self.deltas = {k: self.costs.mem_delta(k, recompute=False) for k in _PASSES}
 
     def cost(self, kind: Op, stage: int) -> float:
         return self.durations[kind][stage]

@@ -4,11 +4,11 @@
 stashes). The reference builds it greedily under real costs, round by round: a warm-up that
 fills each rank with chunk-0 forwards until the first chunk-1 forward can arrive, then rounds
 of one input-gradient backward (B or b) and one forward (F or f) per rank, weight passes
-filling the waits (and forced when memory is at the cap). Two policies (fill waits before
-b, before F/f) are tried, each re-run while another run's per-rank bubbles ("approved
-bubbles") lead to a smaller largest bubble; the smallest wins. With equal F, B and W costs
-the bubble is zero. Pass names are vblocks': F f forwards of chunk 0 and 1, B b backwards of
-chunk 1 and 0, W w their weight passes.
+filling the waits (and forced when memory is at the cap). Two switches (whether a wait before
+B, and before F or f, may take a W that leaves a bubble) give four runs; each is re-run with
+the per-rank bubbles of the last run "approved" while that lowers its largest bubble, and
+the smallest wins. With equal F, B and W costs the bubble is zero. Pass names are vblocks':
+F f forwards of chunk 0 and 1, B b backwards of chunk 1 and 0, W w their weight passes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from passes.costs import CostModel
 from passes.registry import Request
-from passes.schedules.vblocks import KINDS, Orders, durations, waits_for
+from passes.schedules.vblocks import KINDS, Durations, Orders, durations, waits_for
 from passes.schedules.vshape import v_family, v_schedule
 from pipec.ir import Op, Schedule
 
@@ -43,6 +43,9 @@ class _Greedy:
     count: list[dict[str, int]] = field(default_factory=list)
     pending: list[deque[str]] = field(default_factory=list)
     orders: Orders = field(default_factory=list)
+    dur: Durations = field(default_factory=list)
+    delta: dict[str, float] = field(default_factory=dict)
+    cap: float = 0.0
 
     def __post_init__(self) -> None:
         p = self.p
