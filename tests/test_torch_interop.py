@@ -122,7 +122,20 @@ def test_zero_bubble_orders_simulate_like_pipecs(cls, v, name, p, m, costs):
         pytest.skip(f"pipec family '{name}' is not registered in this branch")
     theirs = torch_import(cls, p, m, v, COSTS[costs])
     ours = compile_schedule(name, p, m, None, COSTS[costs])
-    assert theirs.sim.makespan == pytest.approx(ours.sim.makespan, abs=1e-9)
+    known = KNOWN_DIFFERENCES.get((name, costs, p, m))
+    if known is None:
+        assert theirs.sim.makespan == pytest.approx(ours.sim.makespan, abs=1e-9)
+    else:  # explained in the README (torch interop): a different order of the same shape
+        assert (theirs.sim.makespan, ours.sim.makespan) == pytest.approx(known, abs=1e-3)
+
+
+#: (pipec family, costs, p, m) -> (torch's makespan, pipec's): torch's ZBV is a fixed order;
+#: pipec's zb-v is the reference's greedy under the given costs, equal at unit costs and
+#: 0.2% longer under the 1.5B model's costs.
+KNOWN_DIFFERENCES = {
+    ("zb-v", "1.5B", 4, 8): (798.102, 799.701),
+    ("zb-v", "1.5B", 8, 24): (2354.502, 2356.049),
+}
 
 
 @pytest.mark.parametrize(

@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from passes.costs import CostModel
 from passes.registry import Request
 from passes.schedules.vblocks import KINDS, Durations, Orders, durations, waits_for
 from passes.schedules.vshape import v_family, v_schedule
-from pipec.ir import Op, Schedule
+from pipec.ir import Op, PipecError, Schedule
 
 _EPS = 1e-9
+
+
+class _Stuck(Exception):
+    """A greedy run cannot go on: uneven chunk costs pushed it over 1F1B's memory, or to a
+    pass whose input is not placed yet."""
 
 
 @dataclass
@@ -70,12 +75,16 @@ class _Greedy:
 
     def put(self, r: int, kind: str) -> None:
         n = self.count[r][kind]
-        assert n < self.m and self.mem[r] + self.delta[kind] <= self.cap + _EPS
+        assert n < self.m
+        if self.mem[r] + self.delta[kind] > self.cap + _EPS:
+            raise _Stuck
         cost = self.dur[r][kind]
         finish = no_wait = self.clock[r] + cost
         dep = waits_for(self.p, r, kind)
         if dep is not None:
-            done = self.ends[(dep[0], dep[1], n)]
+            done = self.ends.get((dep[0], dep[1], n))
+            if done is None:
+                raise _Stuck
             if dep[0] != r:
                 finish = max(finish, done + self.costs.comm + cost)
         if self.count[r]["F"] > 0:
@@ -218,7 +227,28 @@ def _refined(p: int, m: int, costs: CostModel, fill_b: bool, fill_f: bool) -> _G
 
 
 def zb_v_orders(p: int, m: int, costs: CostModel) -> Orders:
-    runs = [_refined(p, m, costs, b, f) for b, f in itertools.product((True, False), repeat=2)]
+    """The best of the four policy runs that keep 1F1B's memory.
+
+    With uneven per-chunk costs a greedy run can get stuck (more forwards than p stashes hold,
+    or a pass before its input); when every run does, the order is built for the chunks' mean
+    costs instead (an order is valid under any costs; it is simulated under the real ones).
+    """
+    runs = []
+    for fill_b, fill_f in itertools.product((True, False), repeat=2):
+        try:
+            runs.append(_refined(p, m, costs, fill_b, fill_f))
+        except _Stuck:
+            continue
+    if not runs:
+        if max(len(costs.F), len(costs.B), len(costs.W)) == 1:
+            raise PipecError(f"zb-v: no greedy order keeps p={p} stashes under these costs")
+        mean = replace(
+            costs,
+            F=(sum(costs.F) / len(costs.F),),
+            B=(sum(costs.B) / len(costs.B),),
+            W=(sum(costs.W) / len(costs.W),),
+        )
+        return zb_v_orders(p, m, mean)
     return min(runs, key=lambda g: g.largest_bubble()).orders
 
 
