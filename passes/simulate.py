@@ -2,7 +2,8 @@
 
 Semantics are the runtime's: sends are non-blocking and receives are posted early, so a
 compute op starts when its rank is free and every input has arrived (the producer's end, plus
-`comm` when the producer is on another rank). That is the longest path over the DAG of program
+the transfer time when the producer is on another rank: `comm`, or the link's time under a
+topology). Stash moves (EVICT/ACCEPT, RETURN/LOAD) follow `passes/transfers.py`. That is the longest path over the DAG of program
 order and data edges; it is computed with one worklist pass, O(number of instructions), so a
 p=64, m=1024 schedule simulates in well under a second.
 """
@@ -13,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from passes.costs import CostModel
-from pipec.ir import COMPUTE_OPS, Instr, Layout, Op, PipecError, dependencies
+from passes.transfers import Transfer, Transfers
+from pipec.ir import COMPUTE_OPS, MEMORY_OPS, Instr, Layout, Op, PipecError, dependencies
 
 Node = tuple[Op, int, int]
 
@@ -48,9 +50,16 @@ class SimResult:
     span_bubble: float
     ranks: tuple[RankStats, ...]
     timeline: tuple[tuple[Slot, ...], ...]
+    transfers: tuple[Transfer, ...] = ()
+
+    @property
+    def moved(self) -> float:
+        """Stash units moved by evictions and loads in one iteration."""
+        return sum(t.size for t in self.transfers)
 
     def to_json(self) -> dict:
-        return {
+        extra = {"moved_stashes": _round(self.moved)} if self.transfers else {}
+        return extra | {
             "makespan": _round(self.makespan),
             "bubble": _round(self.bubble),
             "span_bubble": _round(self.span_bubble),
@@ -76,29 +85,39 @@ def uses_recompute(programs: Sequence[Sequence[Instr]]) -> bool:
 
 
 def play(
-    layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostModel
+    layout: Layout,
+    programs: Sequence[Sequence[Instr]],
+    costs: CostModel,
+    transfers: Transfers | None = None,
 ) -> tuple[dict[Node, tuple[float, float]], list[Node]]:
     """Start and end time of every compute op, and the order in which they completed.
 
     The completion order is a topological order of program order plus data edges, and ends
     are non-decreasing along every such edge, so (end, position) orders events causally.
     A program that can never finish (a cycle) is a PipecError naming each stuck rank.
+    Stash transfers are recorded in `transfers` when one is given.
     """
     recompute = uses_recompute(programs)
     rank_of = layout.stage_rank
-    compute = [[i for i in prog if i.op in COMPUTE_OPS] for prog in programs]
+    compute = [[i for i in prog if i.op in COMPUTE_OPS or i.op in MEMORY_OPS] for prog in programs]
     times: dict[Node, tuple[float, float]] = {}
     done_order: list[Node] = []
-    waiting: dict[Node, list[int]] = {}
+    waiting: dict[object, list[int]] = {}
     pos = [0] * len(compute)
     clock = [0.0] * len(compute)
     ready = list(range(len(compute)))
-    comm = costs.comm
+    size = costs.mem_input * layout.stash_share  # a stage input: what a message carries
+    msg = [[costs.transfer_time(a, b, size) for b in range(layout.p)] for a in range(layout.p)]
+    moves = transfers if transfers is not None else Transfers(layout, costs, recompute)
     while ready:
         r = ready.pop()
         order, k, t = compute[r], pos[r], clock[r]
         while k < len(order):
             instr = order[k]
+            if instr.op in MEMORY_OPS:
+                ready.extend(waiting.pop(moves.reach(r, instr, t), ()))
+                k += 1
+                continue
             node = (instr.op, instr.stage, instr.mb)
             start = t
             blocked = None
@@ -107,9 +126,16 @@ def play(
                 if finished is None:
                     blocked = dep
                     break
-                arrive = finished[1] + (comm if rank_of[dep[1]] != r else 0.0)
+                arrive = finished[1] + msg[rank_of[dep[1]]][r]
                 if arrive > start:
                     start = arrive
+            gate = moves.gate(r, instr) if blocked is None and moves.pending else None
+            if gate is not None:
+                if gate[1] is None:
+                    blocked = gate[0]
+                else:
+                    start = max(start, gate[1])
+                    moves.consume(r, instr)
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(r)
                 break
@@ -140,8 +166,9 @@ def activation_profile(
 
 def simulate(layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostModel) -> SimResult:
     """Simulate the programs (compute orders or lowered programs) under `costs`."""
-    times, _ = play(layout, programs, costs)
     recompute = uses_recompute(programs)
+    moves = Transfers(layout, costs, recompute)
+    times, _ = play(layout, programs, costs, moves)
     timeline, ranks = [], []
     for prog in programs:
         slots = tuple(
@@ -157,4 +184,5 @@ def simulate(layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostMod
     bubble = 1 - total_busy / (len(programs) * makespan) if makespan > 0 else 0.0
     max_span = max(r.span for r in ranks)
     span_bubble = 1 - max(r.busy for r in ranks) / max_span if max_span > 0 else 0.0
-    return SimResult(makespan, bubble, span_bubble, tuple(ranks), tuple(timeline))
+    transfers = tuple(moves.records)
+    return SimResult(makespan, bubble, span_bubble, tuple(ranks), tuple(timeline), transfers)

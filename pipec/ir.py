@@ -63,6 +63,8 @@ class Op(enum.Enum):
 COMPUTE_OPS = frozenset({Op.F, Op.B, Op.W, Op.BW, Op.RECOMPUTE})
 SEND_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD})
 RECV_OPS = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
+#: BPipe's stash moves: EVICT/ACCEPT and RETURN/LOAD are matched pairs between two ranks.
+MEMORY_OPS = frozenset({Op.EVICT, Op.LOAD, Op.ACCEPT, Op.RETURN})
 #: Ops whose peer field is the destination (printed `to=`); the others print `from=`.
 TO_PEER_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.EVICT, Op.RETURN, Op.ALLREDUCE_GRADS})
 
