@@ -40,7 +40,8 @@ EPS = 1e-9
 _READS = (Op.RECOMPUTE, Op.B, Op.BW)
 Stash = tuple[int, int]
 Move = tuple[int, int, int, str, Stash]
-"""(gap on the evictor, 0 for an evict or 1 for a load, sequence number, kind, stash)."""
+"""(gap on the evictor, phase, sequence number, kind, stash); in a gap, phase 0 evicts make
+room for phase 1 loads, and phase 2 evicts leave early for a later gap's needs."""
 
 
 class Infeasible(PipecError):
@@ -126,7 +127,9 @@ def _plan_evictor(e: _Rank, limit: float, size: float, tau: float) -> list[Move]
                 back = bisect.bisect_right(e.clock, e.start[u] - tau + EPS) - 1
                 loads_at.setdefault(min(u, max(g + 1, back)), []).append(x)
                 off += size
-                out.append((ev, 0, len(out), "evict", x))
+                # Hoisted to an earlier gap it is not needed for that gap's loads: after them,
+                # so that the acceptor does not hold both at once.
+                out.append((ev, 0 if ev == g else 2, len(out), "evict", x))
                 continue
             later = [x for x in due if e.use[x] > g]
             if not later:
@@ -235,18 +238,32 @@ class _Analysis:
                 continue
             if ac.peak > limit + EPS:
                 raise Infeasible(f"its partner rank {a} holds {ac.peak:g} stashes itself")
-            moves = _plan_evictor(ev, limit, self.size, self.taus[(e, a)])
             now = replace(self.compiled, programs=tuple(programs))
             knows = knowledge(events(now), len(programs), e, a)
+            moves, placed = self._plan_pair(ev, ac, limit, knows)
             new_e, new_a = [], []
-            for (gap_e, _, _, kind, (s, mb)), (gap_a, j, i) in zip(
-                moves, _place_on_acceptor(ev, ac, moves, limit, self.size, knows)
-            ):
+            for (gap_e, _, _, kind, (s, mb)), (gap_a, j, i) in zip(moves, placed):
                 ops = (Op.EVICT, Op.ACCEPT) if kind == "evict" else (Op.LOAD, Op.RETURN)
                 new_e.append((gap_e, j, Instr(ops[0], s, mb, a)))
                 new_a.append((gap_a, i, Instr(ops[1], s, mb, e)))
             programs[e], programs[a] = _insert(ev, new_e), _insert(ac, new_a)
         return replace(self.compiled, programs=tuple(programs))
+
+    def _plan_pair(
+        self, ev: _Rank, ac: _Rank, limit: float, knows: tuple[list[int], list[int]]
+    ) -> tuple[list[Move], list[tuple[int, int, int]]]:
+        """Moves on both ranks of a pair. Leading each transfer by its link time holds stashes
+        longer; when the acceptor cannot take that, plan with shorter leads, down to none (the
+        fewest stashes in flight), and let the simulated backward wait for a slow link."""
+        tau = self.taus[(ev.rank, ac.rank)]
+        for lead in (tau, tau / 2, tau / 4, tau / 8) if tau > 0 else ():
+            try:
+                moves = _plan_evictor(ev, limit, self.size, lead)
+                return moves, _place_on_acceptor(ev, ac, moves, limit, self.size, knows)
+            except Infeasible:
+                continue  # shorter leads hold fewer stashes at once
+        moves = _plan_evictor(ev, limit, self.size, 0.0)
+        return moves, _place_on_acceptor(ev, ac, moves, limit, self.size, knows)
 
     def feasible(self, limit: float) -> bool:
         try:
@@ -287,6 +304,12 @@ def analyse(compiled: Compiled, costs: CostModel) -> _Analysis:
     taus = {(e, a): max(costs.transfer_time(e, a, size), costs.transfer_time(a, e, size))
             for e, a in pairs}
     return _Analysis(compiled, ranks, pairs, size, taus)
+
+
+def smallest_feasible_limit(compiled: Compiled, costs: CostModel) -> float:
+    """The smallest memory limit (stashes per rank) that eviction can hold these programs to:
+    what a bare `--evict` asks for, ⌈(p+1)/2⌉ under 1F1B."""
+    return analyse(compiled, costs).smallest_feasible()
 
 
 def insert_evictions(compiled: Compiled, costs: CostModel, limit: float) -> Compiled:

@@ -98,3 +98,33 @@ def remap(schedule: Schedule, devices: Sequence[int]) -> Schedule:
         orders[d] = schedule.orders[r]
     layout = replace(schedule.layout, stage_rank=tuple(devices[r] for r in schedule.layout.stage_rank))
     return replace(schedule, layout=layout, orders=tuple(orders))
+
+
+def allowed(layout: Layout, topology: Topology | None) -> dict[str, tuple[int, ...]]:
+    """The devices of every placement this machine allows, by name."""
+    out = {}
+    for name, place in PLACEMENTS.items():
+        try:
+            out[name] = place(layout, topology)
+        except PipecError:
+            continue
+    return out
+
+
+def auto(
+    options: dict[str, tuple[int, ...]], makespan: Callable[[tuple[int, ...]], float | None]
+) -> str:
+    """`auto`: the name of the option whose programs simulate fastest.
+
+    `makespan(devices)` compiles and simulates a candidate, or gives None when it cannot (a
+    memory limit it cannot meet). Ties go to the earlier option, so `sequential` unless
+    another placement is strictly faster.
+    """
+    best: tuple[float, str] | None = None
+    for name, devices in options.items():
+        t = makespan(devices)
+        if t is not None and (best is None or t < best[0] - 1e-9):
+            best = (t, name)
+    if best is None:
+        raise PipecError(f"--mapping auto: none of {', '.join(options)} can be compiled")
+    return best[1]

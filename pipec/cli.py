@@ -8,18 +8,21 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from codegen.render import terminal_gantt
 from passes.costs import CostModel, parse_costs, parse_mem
+from passes.placement import MAPPINGS
 from passes.registry import SCHEDULES, family
 from passes.simulate import SimResult, simulate
+from passes.topology import Topology, make_topology
 from passes.verify import verify
 from pipec.build_dir import emit, load
 from pipec.compile import CompileResult, compile_schedule
-from pipec.ir import PipecError
+from pipec.ir import Layout, PipecError
 
 
 def _schedule_options(fn: Callable) -> Callable:
@@ -32,15 +35,55 @@ def _schedule_options(fn: Callable) -> Callable:
         click.option("--costs", default="", help="Per-op costs, e.g. F=1,B=1,W=1,comm=0 (F=1:2:1:1 per chunk)."),
         click.option("--mem", default="", help="Memory per op in stashes, e.g. F=1,W=-0.5 (B nets the rest)."),
         click.option("--memory-limit", type=float, default=None, help="Peak activations cap per rank, in stashes."),
+        click.option("--evict", is_flag=True, help="BPipe: evict stashes to a partner rank to meet --memory-limit (alone: the smallest feasible limit)."),
+        click.option("--nodes", type=int, default=None, help="Nodes the pipeline spans (one rank per GPU)."),
+        click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: --pp / --nodes)."),
+        click.option("--link", default="", help="Links as BANDWIDTH:LATENCY (stashes per time unit : time), e.g. intra=4:0.01,inter=0.4:0.05."),
+        click.option("--mapping", type=click.Choice(MAPPINGS), default="sequential", show_default=True, help="Rank-to-device placement; auto keeps the fastest."),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
-def _compile(schedule, pp, microbatches, chunks, costs, mem, memory_limit) -> CompileResult:
+def _compile(
+    schedule, pp, microbatches, chunks, costs, mem, memory_limit, evict, nodes, gpus_per_node,
+    link, mapping,
+) -> CompileResult:
     model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
-    return compile_schedule(schedule, pp, microbatches, chunks, model, memory_limit)
+    model = replace(model, topology=make_topology(pp, nodes, gpus_per_node, link))
+    return compile_schedule(
+        schedule, pp, microbatches, chunks, model, memory_limit, evict=evict, mapping=mapping
+    )
+
+
+def _eviction(sim: SimResult, topology: Topology | None, limit: float | None) -> dict:
+    """What eviction did in one iteration, for printing and for --json."""
+    g = topology.gpus_per_node if topology else None
+    inter = sum(t.size for t in sim.transfers if g and t.src // g != t.dst // g)
+    return {
+        "memory_limit": limit,
+        "evicted": sum(t.kind == "evict" for t in sim.transfers),
+        "moved_stashes": round(sim.moved, 9),
+        "moved_inter_node": round(inter, 9),
+    }
+
+
+def _eviction_line(figures: dict) -> str:
+    return (
+        f"evict: limit {figures['memory_limit']:g} stashes per rank; {figures['evicted']} "
+        f"stashes evicted and loaded back, {figures['moved_stashes']:g} stash units moved per "
+        f"iteration ({figures['moved_inter_node']:g} over inter-node links)"
+    )
+
+
+def _placement_table(layout: Layout, topology: Topology | None) -> str:
+    g = topology.gpus_per_node if topology else layout.p
+    lines = [f"{'stage':>5}  {'rank':>4}  {'node':>4}  {'gpu':>3}"]
+    for s, r in enumerate(layout.stage_rank):
+        node, gpu = divmod(r, g)
+        lines.append(f"{s:>5}  {r:>4}  {node:>4}  {gpu:>3}")
+    return "\n".join(lines)
 
 
 def _rank_table(sim: SimResult) -> str:
@@ -80,6 +123,8 @@ def compile_cmd(out: Path, force: bool, **opts) -> None:
         f"wrote {out}/: {result.compiled.world} rank programs, plan {result.plan_hash}; "
         f"makespan {sim.makespan:.6g}, bubble {sim.bubble:.4f}, span_bubble {sim.span_bubble:.4f}"
     )
+    if result.plan.get("evict"):
+        click.echo(_eviction_line(_eviction(sim, result.costs.topology, result.plan["memory_limit"])))
 
 
 @cli.command("simulate")
@@ -88,12 +133,20 @@ def compile_cmd(out: Path, force: bool, **opts) -> None:
 def simulate_cmd(as_json: bool, **opts) -> None:
     """Simulate a schedule and print per-rank figures; writes nothing."""
     result = _compile(**opts)
+    evicted = result.plan.get("evict")
+    figures = _eviction(result.sim, result.costs.topology, result.plan["memory_limit"])
     if as_json:
         c = result.compiled
         out = {"schedule": c.schedule, "p": c.p, "m": c.m, "v": c.v} | result.sim.to_json()
+        if evicted:
+            out |= figures
+        if "mapping" in result.plan:
+            out["mapping"] = result.plan["mapping"]
         click.echo(json.dumps(out, sort_keys=True))
     else:
         click.echo(_rank_table(result.sim))
+        if evicted:
+            click.echo(_eviction_line(figures))
 
 
 @cli.command()
@@ -113,6 +166,9 @@ def show(directory: Path, lines: int, width: int) -> None:
             click.echo(f"  ... {len(program) - len(shown)} more (--lines 0 shows all)")
     sim = simulate(c.layout, c.programs, build.costs)
     click.echo(_rank_table(sim))
+    if build.plan.get("evict"):
+        click.echo(_eviction_line(_eviction(sim, build.costs.topology, build.plan["memory_limit"])))
+    click.echo(_placement_table(c.layout, build.costs.topology))
     click.echo(terminal_gantt(sim, width))
 
 

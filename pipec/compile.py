@@ -1,6 +1,7 @@
 """The compile driver: one short function that runs the passes in order.
 
-schedule family -> lower (send/recv, optimizer step) -> simulate -> verify -> plan.
+schedule family -> place on devices, lower (send/recv, optimizer step), evict
+(passes/placement.py) -> simulate -> verify -> plan.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 from codegen.render import dump_json
 from passes.costs import CostModel
-from passes.lower import lower
+from passes.placement import place
 from passes.registry import Request, build_schedule, family
 from passes.simulate import SimResult, simulate
 from passes.verify import verify
@@ -44,13 +45,19 @@ def compile_schedule(
     costs: CostModel = CostModel(),
     memory_limit: float | None = None,
     model: dict | None = None,
+    evict: bool = False,
+    mapping: str = "sequential",
 ) -> CompileResult:
-    """Build, lower, simulate and verify a schedule; PipecError for bad input."""
+    """Build, lower, simulate and verify a schedule; PipecError for bad input.
+
+    With `evict`, the family builds its schedule without the memory limit and eviction holds
+    every rank to it (to the smallest feasible limit when none is given).
+    """
     v = family(schedule).default_v if v is None else v
-    req = Request(p, m, v, costs, memory_limit)
+    req = Request(p, m, v, costs, None if evict else memory_limit)
     sched = build_schedule(schedule, req)
     costs.check_chunks(sched.layout.n_chunks)
-    compiled = lower(sched, costs)
+    compiled, mapping, memory_limit = place(sched, costs, mapping, evict, memory_limit)
     sim = simulate(compiled.layout, compiled.programs, costs)
     verify(compiled, costs, [r.peak_activations for r in sim.ranks], memory_limit)
     plan = {
@@ -65,5 +72,9 @@ def compile_schedule(
         "memory_limit": memory_limit,
         "model": model,
     }
+    if evict:  # keys only where used, so that plans without them keep their hash
+        plan["evict"] = True
+    if mapping != "sequential":
+        plan["mapping"] = mapping
     text = dump_json(plan)
     return CompileResult(compiled, sim, costs, plan, text, plan_hash(text))
