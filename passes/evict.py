@@ -1,256 +1,150 @@
 """BPipe: evict stashes to a partner rank and load them back, so that no rank exceeds a limit.
 
 `insert_evictions(compiled, costs, limit)` takes any lowered program (1F1B, interleaved,
-zero-bubble, V-shape: it only reads compute ops, messages and memory) and adds EVICT/LOAD on
-evicting ranks and ACCEPT/RETURN on their partners. Ranks pair up as BPipe pairs them
-(`mapping.mirror_pairs`: the i-th rank in pipeline order with the i-th from the end); in a
-pair the rank with the higher peak evicts.
+zero-bubble, V-shape: it reads only compute ops, messages, times and memory) and adds
+EVICT/LOAD on evicting ranks and ACCEPT/RETURN on their partners. Ranks pair up as BPipe pairs
+them (`mapping.mirror_pairs`: the i-th rank in pipeline order with the i-th from the end); in
+a pair the rank with the higher peak evicts. What happens in a pair is `passes/evict_plan.py`.
 
-Evictor, Belady with prefetch: walk its compute ops; before an op that would take memory over
-the limit (an F, or a LOAD that is due), evict the resident stash whose use is furthest away,
-and only as many as needed. Under 1F1B that is the most recent forward, as in BPipe. Each EVICT
-is placed early enough that the stash has left (one transfer time) before its memory is
-needed, where that is after its F; each LOAD at the latest point at least one transfer time
-before the stash's use starts on the simulated timeline, so the backward does not wait when
-the link is fast enough; where memory does not allow the LOAD there, it moves later.
-
-Acceptor: each ACCEPT/RETURN goes to the latest point the acceptor reaches no later than its
-half on the evictor, so the transfer starts when the evictor issues it; earlier where the
-acceptor's own limit needs it, later only when nothing earlier fits; and always where the
-happens-before test of `passes/rendezvous.py` allows it, which keeps the programs deadlock-free
-under blocking semantics. Pairs are done one after the other, each tested against the programs
-with the previous pairs' moves in.
+Deadlock freedom: every new message passes the happens-before test of `passes/rendezvous.py`.
+Pairs are planned one after the other, each tested against the programs with the previous
+pairs' moves in: testing all against the programs as given is not enough, since one pair's
+moves can close a cycle through another's (1F1B at p=8 does).
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from itertools import chain
+from dataclasses import replace
+from functools import cached_property
 
 from passes.costs import CostModel
+from passes.evict_plan import (
+    EPS, Infeasible, Move, RankView, insert, place_on_acceptor, plan_evictor, view,
+)
 from passes.mapping import mirror_pairs
-from passes.rendezvous import MESSAGE_OPS, events, knowledge
+from passes.rendezvous import events, knowledge
 from passes.simulate import activation_profile, play, uses_recompute
-from pipec.ir import COMPUTE_OPS, Compiled, Instr, Op, PipecError, Program
+from pipec.ir import Compiled, Instr, Op, PipecError
 
-EPS = 1e-9
-_READS = (Op.RECOMPUTE, Op.B, Op.BW)
-Stash = tuple[int, int]
-Move = tuple[int, int, int, str, Stash]
-"""(gap on the evictor, phase, sequence number, kind, stash); in a gap, phase 0 evicts make
-room for phase 1 loads, and phase 2 evicts leave early for a later gap's needs."""
+Knowledge = tuple[list[int], list[int]]
 
 
-class Infeasible(PipecError):
-    """The limit cannot be met by eviction; the message says where it fails."""
+class EvictionPlanner:
+    """One simulation of the programs, then evictions for any number of memory limits."""
 
-
-@dataclass
-class _Rank:
-    """One rank's program as the pass sees it: compute ops and the gaps between them.
-
-    Gap g is every point after compute op g-1 and before compute op g (gap n: after the last).
-    Memory changes only at compute ops, so it is one level per gap; a new message goes after
-    one of the gap's messages (or at its start), as the happens-before test allows.
-    """
-
-    rank: int
-    prog: Program
-    comp: list[int]  # program positions of compute ops
-    start: list[float]  # per compute op
-    clock: list[float]  # per gap: when the rank gets there
-    level: list[float]  # per gap: live memory there, nothing evicted
-    msgs: list[int]  # program positions of messages
-    first: list[int]  # per gap: how many messages come before it
-    last: list[int]  # per gap: how many messages come before its end
-    fwd: dict[int, Stash]  # compute index of an F -> its stash
-    use: dict[Stash, int]  # stash -> compute index of its first read
-    table: list[list[float]]  # sparse table over `level` for range maxima
-
-    @property
-    def peak(self) -> float:
-        return max(self.level)
-
-    def segmax(self, i: int, j: int) -> float:
-        """Largest level over gaps i..j (inclusive); -inf when empty."""
-        if i > j:
-            return float("-inf")
-        k = (j - i + 1).bit_length() - 1
-        return max(self.table[k][i], self.table[k][j - (1 << k) + 1])
-
-
-def _view(r: int, prog: Program, times: dict, profile: list[float]) -> _Rank:
-    comp = [j for j, i in enumerate(prog) if i.op in COMPUTE_OPS]
-    span = [times[(prog[j].op, prog[j].stage, prog[j].mb)] for j in comp]
-    clock = [0.0] + [end for _, end in span]
-    level = [0.0] + [profile[j] for j in comp]
-    msgs = [j for j, i in enumerate(prog) if i.op in MESSAGE_OPS]
-    bounds = [0] + [j + 1 for j in comp] + [len(prog)]  # gap g spans bounds[g]..bounds[g+1]-1
-    first = [bisect.bisect_left(msgs, b) for b in bounds[:-1]]
-    last = [bisect.bisect_left(msgs, b) for b in bounds[1:]]
-    fwd, use = {}, {}
-    for g, j in enumerate(comp):
-        i = prog[j]
-        if i.op is Op.F:
-            fwd[g] = (i.stage, i.mb)
-        elif i.op in _READS:
-            use.setdefault((i.stage, i.mb), g)
-    table = [level]
-    while 2 ** len(table) <= len(level):
-        prev, w = table[-1], 1 << (len(table) - 1)
-        table.append([max(prev[i], prev[i + w]) for i in range(len(prev) - w)])
-    start = [begin for begin, _ in span]
-    return _Rank(r, prog, comp, start, clock, level, msgs, first, last, fwd, use, table)
-
-
-def _plan_evictor(e: _Rank, limit: float, size: float, tau: float) -> list[Move]:
-    """Belady with prefetch on one evicting rank; raises Infeasible."""
-    n = len(e.comp)
-    out: list[Move] = []
-    heap: list[tuple[int, int, Stash]] = []  # resident evictable stashes, furthest use first
-    loads_at: dict[int, list[Stash]] = {}
-    off = 0.0  # stash units evicted now
-    for g in range(n):
-        due = loads_at.pop(g, [])
-        rise = max(e.level[g + 1] - e.level[g], 0.0)
-        while e.level[g] - off + size * len(due) + rise > limit + EPS:
-            while heap and -heap[0][0] <= g:  # used already
-                heapq.heappop(heap)
-            if heap:
-                neg_u, neg_f, x = heapq.heappop(heap)
-                u, f = -neg_u, -neg_f
-                # Leave before the memory is needed; come back before the use starts.
-                ev = min(g, max(f + 1, bisect.bisect_right(e.clock, e.start[g] - tau + EPS) - 1))
-                back = bisect.bisect_right(e.clock, e.start[u] - tau + EPS) - 1
-                loads_at.setdefault(min(u, max(g + 1, back)), []).append(x)
-                off += size
-                # Hoisted to an earlier gap it is not needed for that gap's loads: after them,
-                # so that the acceptor does not hold both at once.
-                out.append((ev, 0 if ev == g else 2, len(out), "evict", x))
-                continue
-            later = [x for x in due if e.use[x] > g]
-            if not later:
-                raise Infeasible(
-                    f"rank {e.rank} needs {e.level[g] - off + size * len(due) + rise:g} stashes "
-                    f"at {e.prog[e.comp[g]]} with nothing left to evict"
-                )
-            x = max(later, key=e.use.__getitem__)  # load it one op later instead
-            due.remove(x)
-            loads_at.setdefault(g + 1, []).append(x)
-        for x in due:
-            off -= size
-            out.append((g, 1, len(out), "load", x))
-        x = e.fwd.get(g)
-        if x is not None and x in e.use:
-            heapq.heappush(heap, (-e.use[x], -g, x))
-    out.sort()
-    return out
-
-
-def _fit(e: _Rank, gap_e: int, a: _Rank, ga: int, after: tuple[int, int],
-         knows: tuple[list[int], list[int]]) -> tuple[int, int] | None:
-    """Message counts (j on e, i on a) to put a new e-a message after, within the two gaps
-    and not before `after`, that pass the happens-before test; None if there are none."""
-    knows_a, knows_e = knows
-    i_lo, i_hi = max(a.first[ga], after[1]), a.last[ga]
-    for j in range(max(e.first[gap_e], after[0]), e.last[gap_e] + 1):
-        i = max(i_lo, knows_a[j])
-        if i <= i_hi and knows_e[i] <= j:
-            return j, i
-    return None
-
-
-def _place_on_acceptor(
-    e: _Rank, a: _Rank, moves: Sequence[Move], limit: float, size: float,
-    knows: tuple[list[int], list[int]],
-) -> list[tuple[int, int, int]]:
-    """Per move: the acceptor's gap and the message counts (j on e, i on a) to put the pair
-    after; raises Infeasible."""
-    out: list[tuple[int, int, int]] = []
-    prev_gap, after, held = 0, (0, 0), 0.0
-    last = len(a.clock) - 1
-    for gap_e, _, _, kind, x in moves:
-        now = held + (size if kind == "evict" else -size)
-        pref = max(prev_gap, bisect.bisect_right(a.clock, e.clock[gap_e] + EPS) - 1)
-        spot = None
-        for ga in chain(range(pref, prev_gap - 1, -1), range(pref + 1, last + 1)):
-            if a.segmax(prev_gap + 1, ga) + held > limit + EPS:
-                if ga > pref:
-                    break  # later gaps only hold the previous stashes longer
-                continue
-            if a.level[ga] + now <= limit + EPS:
-                spot = _fit(e, gap_e, a, ga, after, knows)
-                if spot is not None:
-                    break
-        if spot is None:
-            what = "accept" if kind == "evict" else "return"
-            raise Infeasible(
-                f"rank {a.rank} cannot {what} s={x[0]} mb={x[1]} of rank {e.rank} within the limit"
-            )
-        out.append((ga, *spot))
-        prev_gap, after, held = ga, spot, now
-    return out
-
-
-def _insert(rk: _Rank, new: Sequence[tuple[int, int, Instr]]) -> Program:
-    """Put each new instruction (gap, message count, instr) in its gap, right after that many
-    of the rank's messages; new ones at one spot keep their order."""
-    at: dict[int, list[Instr]] = {}
-    for g, count, instr in new:
-        gap_start = rk.comp[g - 1] + 1 if g else 0
-        spot = max(gap_start, rk.msgs[count - 1] + 1 if count else 0)
-        at.setdefault(spot, []).append(instr)
-    out: list[Instr] = []
-    for j in range(len(rk.prog) + 1):
-        out.extend(at.get(j, ()))
-        if j < len(rk.prog):
-            out.append(rk.prog[j])
-    return tuple(out)
-
-
-@dataclass
-class _Analysis:
-    """What the pass needs from the programs, computed once for any number of limits."""
-
-    compiled: Compiled
-    ranks: list[_Rank]
-    pairs: list[tuple[int, int]]  # (evictor, acceptor)
-    size: float
-    taus: dict[tuple[int, int], float]
+    def __init__(self, compiled: Compiled, costs: CostModel) -> None:
+        layout, programs = compiled.layout, compiled.programs
+        recompute = uses_recompute(programs)
+        times, _ = play(layout, programs, costs)
+        self.compiled = compiled
+        self.ranks = [
+            view(r, prog, times, activation_profile(prog, layout, costs, recompute))
+            for r, prog in enumerate(programs)
+        ]
+        peak = [rk.peak for rk in self.ranks]
+        self.pairs = [(a, b) if peak[a] >= peak[b] else (b, a) for a, b in mirror_pairs(layout)]
+        self.size = costs.stash_size(recompute) * layout.stash_share
+        self.taus = {
+            (e, a): max(costs.transfer_time(e, a, self.size), costs.transfer_time(a, e, self.size))
+            for e, a in self.pairs
+        }
+        self._knows: dict[tuple[int, int], Knowledge] = {}
+        self._done: dict[float, Compiled] = {}
 
     @property
     def peak(self) -> float:
         return max(rk.peak for rk in self.ranks)
 
-    def apply(self, limit: float) -> Compiled:
-        """The programs with evictions holding every rank to `limit`; raises Infeasible."""
+    @cached_property
+    def _events(self) -> list[tuple[int, int]]:
+        return events(self.compiled)
+
+    def evict(self, limit: float) -> Compiled:
+        """The programs with every rank held to `limit` stashes; an infeasible limit is one
+        PipecError naming the smallest feasible one."""
+        try:
+            return self._apply(limit)
+        except Infeasible as e:
+            raise PipecError(
+                f"--memory-limit {limit:g} is infeasible with --evict ({e}); "
+                f"the smallest feasible limit is {self.smallest_feasible():g}"
+            ) from None
+
+    def smallest_feasible(self) -> float:
+        """The smallest limit eviction meets, searched over the levels a rank can reach (a
+        level without eviction, plus or minus whole stashes). The first probe is the balanced
+        bound of the fullest pair, half its two peaks (⌈(p+1)/2⌉ under 1F1B); then a binary
+        search, where an infeasible probe usually fails fast on the first pair."""
+        top = self.peak
+        if self.size <= EPS:
+            return top
+        steps = int(top / self.size + EPS) + 1
+        levels = {v for rk in self.ranks for v in rk.level}
+        reachable = {round(v + k * self.size, 9) for v in levels for k in range(-steps, steps + 1)}
+        candidates = sorted({v for v in reachable if self.size - EPS <= v < top} | {top})
+        balanced = max((self.ranks[e].peak + self.ranks[a].peak) / 2 for e, a in self.pairs) \
+            if self.pairs else top
+        guess = min(bisect.bisect_left(candidates, balanced - EPS), len(candidates) - 1)
+        lo, hi = (0, guess) if self._feasible(candidates[guess]) else (guess + 1, len(candidates) - 1)
+        while lo < hi:  # candidates[hi] is feasible: at worst the peak, with no eviction
+            mid = (lo + hi) // 2
+            if self._feasible(candidates[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return candidates[lo]
+
+    def _feasible(self, limit: float) -> bool:
+        try:
+            self._apply(limit)
+        except Infeasible:
+            return False
+        return True
+
+    def _apply(self, limit: float) -> Compiled:
+        key = round(limit, 9)
+        if key not in self._done:
+            self._done[key] = self._plan(limit)
+        return self._done[key]
+
+    def _plan(self, limit: float) -> Compiled:
+        paired = {r for pair in self.pairs for r in pair}
         for rk in self.ranks:
-            paired = any(rk.rank == e for e, _ in self.pairs)
-            if rk.peak > limit + EPS and not paired:
-                raise Infeasible(f"rank {rk.rank} holds {rk.peak:g} stashes and has no one to evict to")
+            if rk.peak > limit + EPS and rk.rank not in paired:
+                raise Infeasible(f"rank {rk.rank} holds {rk.peak:g} stashes and has no partner")
         programs = list(self.compiled.programs)
+        changed = False
         for e, a in self.pairs:
             ev, ac = self.ranks[e], self.ranks[a]
             if ev.peak <= limit + EPS:
                 continue
             if ac.peak > limit + EPS:
-                raise Infeasible(f"its partner rank {a} holds {ac.peak:g} stashes itself")
-            now = replace(self.compiled, programs=tuple(programs))
-            knows = knowledge(events(now), len(programs), e, a)
+                raise Infeasible(
+                    f"rank {a} holds {ac.peak:g} stashes of its own, so it cannot take rank {e}'s"
+                )
+            if changed:  # test against the programs with the previous pairs' moves in
+                now = replace(self.compiled, programs=tuple(programs))
+                knows = knowledge(events(now), len(programs), e, a)
+            else:
+                knows = self._knowledge(e, a)
             moves, placed = self._plan_pair(ev, ac, limit, knows)
             new_e, new_a = [], []
             for (gap_e, _, _, kind, (s, mb)), (gap_a, j, i) in zip(moves, placed):
                 ops = (Op.EVICT, Op.ACCEPT) if kind == "evict" else (Op.LOAD, Op.RETURN)
                 new_e.append((gap_e, j, Instr(ops[0], s, mb, a)))
                 new_a.append((gap_a, i, Instr(ops[1], s, mb, e)))
-            programs[e], programs[a] = _insert(ev, new_e), _insert(ac, new_a)
+            programs[e], programs[a] = insert(ev, new_e), insert(ac, new_a)
+            changed = changed or bool(moves)
         return replace(self.compiled, programs=tuple(programs))
 
+    def _knowledge(self, e: int, a: int) -> Knowledge:
+        if (e, a) not in self._knows:
+            self._knows[(e, a)] = knowledge(self._events, len(self.ranks), e, a)
+        return self._knows[(e, a)]
+
     def _plan_pair(
-        self, ev: _Rank, ac: _Rank, limit: float, knows: tuple[list[int], list[int]]
+        self, ev: RankView, ac: RankView, limit: float, knows: Knowledge
     ) -> tuple[list[Move], list[tuple[int, int, int]]]:
         """Moves on both ranks of a pair. Leading each transfer by its link time holds stashes
         longer; when the acceptor cannot take that, plan with shorter leads, down to none (the
@@ -258,72 +152,25 @@ class _Analysis:
         tau = self.taus[(ev.rank, ac.rank)]
         for lead in (tau, tau / 2, tau / 4, tau / 8) if tau > 0 else ():
             try:
-                moves = _plan_evictor(ev, limit, self.size, lead)
-                return moves, _place_on_acceptor(ev, ac, moves, limit, self.size, knows)
+                moves = plan_evictor(ev, limit, self.size, lead)
+                return moves, place_on_acceptor(ev, ac, moves, limit, self.size, knows)
             except Infeasible:
                 continue  # shorter leads hold fewer stashes at once
-        moves = _plan_evictor(ev, limit, self.size, 0.0)
-        return moves, _place_on_acceptor(ev, ac, moves, limit, self.size, knows)
-
-    def feasible(self, limit: float) -> bool:
-        try:
-            self.apply(limit)
-        except Infeasible:
-            return False
-        return True
-
-    def smallest_feasible(self) -> float:
-        """The smallest limit eviction meets: a binary search over the levels a rank can
-        reach (a level without eviction, plus or minus whole stashes)."""
-        top = self.peak
-        steps = int(top / self.size + EPS) + 1
-        levels = {v for rk in self.ranks for v in rk.level}
-        reachable = {round(v + k * self.size, 9) for v in levels for k in range(-steps, steps + 1)}
-        candidates = sorted({v for v in reachable if self.size - EPS <= v < top} | {top})
-        lo, hi = 0, len(candidates) - 1  # candidates[hi] is the peak: no eviction needed
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.feasible(candidates[mid]):
-                hi = mid
-            else:
-                lo = mid + 1
-        return candidates[lo]
-
-
-def analyse(compiled: Compiled, costs: CostModel) -> _Analysis:
-    """Simulate the programs once and gather what planning evictions at any limit needs."""
-    layout, programs = compiled.layout, compiled.programs
-    recompute = uses_recompute(programs)
-    times, _ = play(layout, programs, costs)
-    ranks = [
-        _view(r, prog, times, activation_profile(prog, layout, costs, recompute))
-        for r, prog in enumerate(programs)
-    ]
-    pairs = [(a, b) if ranks[a].peak >= ranks[b].peak else (b, a) for a, b in mirror_pairs(layout)]
-    size = costs.stash_size(recompute) * layout.stash_share
-    taus = {(e, a): max(costs.transfer_time(e, a, size), costs.transfer_time(a, e, size))
-            for e, a in pairs}
-    return _Analysis(compiled, ranks, pairs, size, taus)
+        moves = plan_evictor(ev, limit, self.size, 0.0)
+        return moves, place_on_acceptor(ev, ac, moves, limit, self.size, knows)
 
 
 def smallest_feasible_limit(compiled: Compiled, costs: CostModel) -> float:
-    """The smallest memory limit (stashes per rank) that eviction can hold these programs to:
-    what a bare `--evict` asks for, ⌈(p+1)/2⌉ under 1F1B."""
-    return analyse(compiled, costs).smallest_feasible()
+    """The smallest memory limit (stashes per rank) eviction can hold these programs to:
+    what a bare `--evict` asks for; ⌈(p+1)/2⌉ under 1F1B."""
+    return EvictionPlanner(compiled, costs).smallest_feasible()
 
 
 def insert_evictions(compiled: Compiled, costs: CostModel, limit: float) -> Compiled:
     """Add BPipe's stash moves so that every rank stays within `limit` stashes.
 
-    Expects lowered programs without stash moves; guarantees programs that verify (the
-    residency and memory invariants included), with as few moves as Belady's rule needs.
+    Expects lowered, deadlock-free programs without stash moves; guarantees programs that
+    verify (residency and memory invariants included), with the moves Belady's rule needs.
     An infeasible limit is one PipecError naming the smallest feasible one.
     """
-    analysis = analyse(compiled, costs)
-    try:
-        return analysis.apply(limit)
-    except Infeasible as e:
-        raise PipecError(
-            f"--memory-limit {limit:g} is infeasible with --evict ({e}); "
-            f"the smallest feasible limit is {analysis.smallest_feasible():g}"
-        ) from None
+    return EvictionPlanner(compiled, costs).evict(limit)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from functools import cache
 
 from passes.costs import CostModel
-from passes.evict import insert_evictions, smallest_feasible_limit
+from passes.evict import EvictionPlanner
 from passes.lower import lower
 from passes.mapping import PLACEMENTS, allowed, auto, remap
 from passes.simulate import simulate
@@ -44,12 +44,16 @@ def place(
     def lowered(devices: tuple[int, ...]) -> Compiled:
         return lower(remap(schedule, devices), costs)
 
+    @cache
+    def planner(devices: tuple[int, ...]) -> EvictionPlanner:
+        return EvictionPlanner(lowered(devices), costs)
+
     if evict and limit is None:
-        limit = min(smallest_feasible_limit(lowered(d), costs) for d in options.values())
+        limit = min(planner(d).smallest_feasible() for d in options.values())
 
     @cache
     def build(devices: tuple[int, ...]) -> Compiled:
-        return insert_evictions(lowered(devices), costs, limit) if evict else lowered(devices)
+        return planner(devices).evict(limit) if evict else lowered(devices)
 
     def makespan(devices: tuple[int, ...]) -> float | None:
         try:

@@ -17,7 +17,7 @@ chain from after one of them back to before it, which the test excludes.
 from __future__ import annotations
 
 from passes.verify import counterpart
-from pipec.ir import MEMORY_OPS, RECV_OPS, SEND_OPS, Compiled, PipecError
+from pipec.ir import MEMORY_OPS, RECV_OPS, SEND_OPS, Compiled, Instr, PipecError
 
 MESSAGE_OPS = SEND_OPS | RECV_OPS | MEMORY_OPS
 Event = tuple[int, int]
@@ -27,42 +27,35 @@ Event = tuple[int, int]
 def events(compiled: Compiled) -> list[Event]:
     """Every matched message, in an order that agrees with every rank's program.
 
+    A rank runs until a message whose counterpart its peer has not reached, and leaves an
+    offer there; the peer takes it up when it arrives. Each message is looked at once.
     PipecError when the programs deadlock (verify them first)."""
     programs = compiled.programs
     n = len(programs)
+    msgs = [[i for i in prog if i.op in MESSAGE_OPS] for prog in programs]
     pos = [0] * n
-    waiters: list[list[int]] = [[] for _ in range(n)]
+    offers: dict[tuple, int] = {}  # (rank, what it must reach) -> who waits there
     out: list[Event] = []
-
-    def skip(r: int) -> None:  # compute ops and local instructions never block
-        prog = programs[r]
-        while pos[r] < len(prog) and prog[pos[r]].op not in MESSAGE_OPS:
-            pos[r] += 1
-
     ready = list(range(n))
     while ready:
         r = ready.pop()
-        skip(r)
-        while pos[r] < len(programs[r]):
-            instr = programs[r][pos[r]]
-            q = instr.peer
-            skip(q)
-            if pos[q] >= len(programs[q]) or programs[q][pos[q]] != counterpart(instr, r, compiled):
-                waiters[q].append(r)
+        ms = msgs[r]
+        while pos[r] < len(ms):
+            instr = ms[pos[r]]
+            q = offers.pop((r, instr.op, instr.stage, instr.mb, instr.peer), None)
+            if q is None:
+                c = counterpart(instr, r, compiled)
+                offers[(instr.peer, c.op, c.stage, c.mb, c.peer)] = r
                 break
             out.append((r, q))
             pos[r] += 1
             pos[q] += 1
-            for moved in (r, q):  # whoever waited on either may go on
-                ready.extend(waiters[moved])
-                waiters[moved].clear()
             ready.append(q)
-            skip(r)
-    stuck = [r for r in range(n) if pos[r] < len(programs[r])]
+    stuck = [r for r in range(n) if pos[r] < len(msgs[r])]
     if stuck:
         r = stuck[0]
         raise PipecError(
-            f"the programs deadlock (rank {r} blocks at {programs[r][pos[r]]}); verify them first"
+            f"the programs deadlock (rank {r} blocks at {msgs[r][pos[r]]}); verify them first"
         )
     return out
 
