@@ -20,7 +20,14 @@ from functools import cached_property
 
 from passes.costs import CostModel
 from passes.evict_plan import (
-    EPS, Infeasible, Move, RankView, insert, place_on_acceptor, plan_evictor, view,
+    EPS,
+    Infeasible,
+    Move,
+    RankView,
+    insert,
+    place_on_acceptor,
+    plan_evictor,
+    view,
 )
 from passes.mapping import mirror_pairs
 from passes.rendezvous import events, knowledge
@@ -83,10 +90,15 @@ class EvictionPlanner:
         levels = {v for rk in self.ranks for v in rk.level}
         reachable = {round(v + k * self.size, 9) for v in levels for k in range(-steps, steps + 1)}
         candidates = sorted({v for v in reachable if self.size - EPS <= v < top} | {top})
-        balanced = max((self.ranks[e].peak + self.ranks[a].peak) / 2 for e, a in self.pairs) \
-            if self.pairs else top
+        balanced = (
+            max((self.ranks[e].peak + self.ranks[a].peak) / 2 for e, a in self.pairs)
+            if self.pairs
+            else top
+        )
         guess = min(bisect.bisect_left(candidates, balanced - EPS), len(candidates) - 1)
-        lo, hi = (0, guess) if self._feasible(candidates[guess]) else (guess + 1, len(candidates) - 1)
+        lo, hi = (
+            (0, guess) if self._feasible(candidates[guess]) else (guess + 1, len(candidates) - 1)
+        )
         while lo < hi:  # candidates[hi] is feasible: at worst the peak, with no eviction
             mid = (lo + hi) // 2
             if self._feasible(candidates[mid]):

@@ -143,8 +143,14 @@ def plan_evictor(e: RankView, limit: float, size: float, tau: float) -> list[Mov
     return out
 
 
-def _fit(e: RankView, gap_e: int, a: RankView, ga: int, after: tuple[int, int],
-         knows: tuple[list[int], list[int]]) -> tuple[int, int] | None:
+def _fit(
+    e: RankView,
+    gap_e: int,
+    a: RankView,
+    ga: int,
+    after: tuple[int, int],
+    knows: tuple[list[int], list[int]],
+) -> tuple[int, int] | None:
     """Message counts (j on e, i on a) to put a new e-a message after, within the two gaps
     and not before `after`, that pass the happens-before test; None if there are none."""
     knows_a, knows_e = knows
@@ -157,7 +163,11 @@ def _fit(e: RankView, gap_e: int, a: RankView, ga: int, after: tuple[int, int],
 
 
 def place_on_acceptor(
-    e: RankView, a: RankView, moves: Sequence[Move], limit: float, size: float,
+    e: RankView,
+    a: RankView,
+    moves: Sequence[Move],
+    limit: float,
+    size: float,
     knows: tuple[list[int], list[int]],
 ) -> list[tuple[int, int, int]]:
     """Per move: the acceptor's gap and the message counts (j on e, i on a) to put the pair

@@ -18,7 +18,8 @@ _READS = frozenset({Op.RECOMPUTE, Op.B, Op.BW, Op.W})
 
 def check_residency(compiled: Compiled) -> None:
     """Raise VerifyError unless every stash move on every rank is well placed."""
-    from passes.verify import VerifyError, _at as at  # verify calls this check: import late
+    from passes.verify import VerifyError  # verify calls this check: import late
+    from passes.verify import _at as at
 
     for r, prog in enumerate(compiled.programs):
         made: set[tuple[int, int]] = set()  # F ran; nothing has read the stash yet

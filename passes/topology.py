@@ -32,8 +32,10 @@ class Link:
 
     def to_json(self) -> dict:
         # JSON has no infinity; null stands for an unlimited bandwidth.
-        return {"bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
-                "latency": self.latency}
+        return {
+            "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
+            "latency": self.latency,
+        }
 
     @staticmethod
     def from_json(d: dict) -> Link:
@@ -62,13 +64,21 @@ class Topology:
         return self.intra if a // self.gpus_per_node == b // self.gpus_per_node else self.inter
 
     def to_json(self) -> dict:
-        return {"nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
-                "intra": self.intra.to_json(), "inter": self.inter.to_json()}
+        return {
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "intra": self.intra.to_json(),
+            "inter": self.inter.to_json(),
+        }
 
     @staticmethod
     def from_json(d: dict) -> Topology:
-        return Topology(int(d["nodes"]), int(d["gpus_per_node"]),
-                        Link.from_json(d["intra"]), Link.from_json(d["inter"]))
+        return Topology(
+            int(d["nodes"]),
+            int(d["gpus_per_node"]),
+            Link.from_json(d["intra"]),
+            Link.from_json(d["inter"]),
+        )
 
 
 def _link_number(text: str, what: str, allow_inf: bool) -> float:

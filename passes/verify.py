@@ -21,7 +21,15 @@ from passes.costs import CostModel
 from passes.residency import check_residency
 from passes.simulate import uses_recompute
 from pipec.ir import (
-    COMPUTE_OPS, MEMORY_OPS, RECV_OPS, SEND_OPS, Compiled, Instr, Op, PipecError, dependencies,
+    COMPUTE_OPS,
+    MEMORY_OPS,
+    RECV_OPS,
+    SEND_OPS,
+    Compiled,
+    Instr,
+    Op,
+    PipecError,
+    dependencies,
 )
 
 

@@ -45,7 +45,8 @@ class Op(enum.Enum):
     EVICT = "EVICT"
     """Send the stash of (stage, mb) to the acceptor `peer` and free it here."""
     LOAD = "LOAD"
-    """Ask the acceptor `peer` for the stash of (stage, mb) back, ahead of its backward."""
+    """Post the receive of the stash of (stage, mb) that the acceptor `peer` RETURNs, ahead of
+    its backward (a prefetch); the first op that reads the stash waits for it to arrive."""
     ACCEPT = "ACCEPT"
     """Receive and hold the stash of (stage, mb) evicted by `peer`."""
     RETURN = "RETURN"

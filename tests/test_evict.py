@@ -18,7 +18,8 @@ from pipec.ir import Op, PipecError
 from tests.helpers import peaks
 
 
-def lowered(name: str, p: int, m: int, costs: CostModel = CostModel(), v: int = 1):
+def lowered(name: str, p: int, m: int, costs: CostModel | None = None, v: int = 1):
+    costs = costs or CostModel()
     return lower(build_schedule(name, Request(p, m, v, costs)), costs)
 
 
@@ -98,8 +99,10 @@ def _lp(compiled):
 def test_infeasible_limit_is_one_line_naming_the_smallest(capsys):
     from tests.test_cli import cli_run
 
-    assert cli_run("simulate", "-s", "1f1b", "-p", "8", "-m", "32", "--evict",
-                   "--memory-limit", "4") == 2
+    assert (
+        cli_run("simulate", "-s", "1f1b", "-p", "8", "-m", "32", "--evict", "--memory-limit", "4")
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "--memory-limit 4 is infeasible with --evict" in err

@@ -37,7 +37,9 @@ def test_the_evicted_program_verifies_and_counts_stashes_where_they_are(evicted)
     sim = simulate(evicted.layout, evicted.programs, CostModel())
     assert [r.peak_activations for r in sim.ranks] == [3, 3, 2, 3]  # rank 3: 1 own + 2 held
     verify(evicted, CostModel(), [3, 3, 2, 3], 3)
-    with pytest.raises(VerifyError, match="rank 3: counted peak 3 stashes, the simulator reports 1"):
+    with pytest.raises(
+        VerifyError, match="rank 3: counted peak 3 stashes, the simulator reports 1"
+    ):
         verify(evicted, CostModel(), [3, 3, 2, 1])
 
 
@@ -47,8 +49,11 @@ def test_a_stash_is_never_used_while_evicted(evicted):
         r0=without(evicted.programs[0], Instr(LOAD, 0, 2, 3)),
         r3=without(evicted.programs[3], Instr(RETURN, 0, 2, 0)),
     )
-    with pytest.raises(VerifyError, match=r"rank 0, instruction \d+ \(BW s=0 mb=2\): uses the stash "
-                                          r"while it is evicted \(EVICT at instruction 5"):
+    with pytest.raises(
+        VerifyError,
+        match=r"rank 0, instruction \d+ \(BW s=0 mb=2\): uses the stash "
+        r"while it is evicted \(EVICT at instruction 5",
+    ):
         verify(broken, CostModel())
 
 
@@ -65,21 +70,34 @@ def test_a_stash_is_loaded_once_and_only_after_an_evict(evicted):
 def test_only_an_unread_stash_can_be_evicted(evicted):
     prog0 = without(evicted.programs[0], Instr(EVICT, 0, 2, 3), Instr(LOAD, 0, 2, 3))
     prog0.insert(prog0.index(Instr(Op.BW, 0, 2)) + 1, Instr(EVICT, 0, 2, 3))
-    with pytest.raises(VerifyError, match=r"\(EVICT s=0 mb=2 to=3\): evicts a stash that is not here"):
+    with pytest.raises(
+        VerifyError, match=r"\(EVICT s=0 mb=2 to=3\): evicts a stash that is not here"
+    ):
         check_residency(edit(evicted, r0=prog0))
 
 
 def test_every_evict_is_loaded_back_and_every_accept_returned():
     layout = Layout(2, (0, 1), (0, 1), (Pipeline((0, 1), (0,)),))
     opt = Instr(Op.OPTIMIZER_STEP)
-    left = Compiled("t", 2, 1, 1, layout, (
-        (Instr(Op.F, 0, 0), Instr(EVICT, 0, 0, 1), opt),
-        (Instr(ACCEPT, 0, 0, 0), opt),
-    ))
-    with pytest.raises(VerifyError, match=r"rank 0, instruction 1 \(EVICT s=0 mb=0\): never loaded"):
+    left = Compiled(
+        "t",
+        2,
+        1,
+        1,
+        layout,
+        (
+            (Instr(Op.F, 0, 0), Instr(EVICT, 0, 0, 1), opt),
+            (Instr(ACCEPT, 0, 0, 0), opt),
+        ),
+    )
+    with pytest.raises(
+        VerifyError, match=r"rank 0, instruction 1 \(EVICT s=0 mb=0\): never loaded"
+    ):
         check_residency(left)
     only_held = replace(left, programs=((opt,), left.programs[1]))
-    with pytest.raises(VerifyError, match=r"rank 1, instruction 0 \(ACCEPT s=0 mb=0\): never returned"):
+    with pytest.raises(
+        VerifyError, match=r"rank 1, instruction 0 \(ACCEPT s=0 mb=0\): never returned"
+    ):
         check_residency(only_held)
     with pytest.raises(VerifyError, match="returns a stash it does not hold"):
         check_residency(replace(left, programs=((opt,), (Instr(RETURN, 0, 0, 0), opt))))
@@ -97,7 +115,11 @@ def test_moves_in_mismatched_orders_deadlock(evicted):
     "old, new, message",
     [
         (Instr(EVICT, 0, 2, 3), Instr(EVICT, 0, 2, 0), "the peer must be another rank of the 4"),
-        (Instr(EVICT, 0, 2, 3), Instr(EVICT, 1, 2, 3), "stage 1 is on rank 1, not on the evicting rank 0"),
+        (
+            Instr(EVICT, 0, 2, 3),
+            Instr(EVICT, 1, 2, 3),
+            "stage 1 is on rank 1, not on the evicting rank 0",
+        ),
     ],
 )
 def test_a_move_names_a_valid_peer(evicted, old, new, message):
@@ -110,12 +132,33 @@ def round_trip() -> Compiled:
     """Two ranks; rank 0 evicts its only stash to rank 1 right after F and loads it back."""
     layout = Layout(2, (0, 1), (0, 1), (Pipeline((0, 1), (0,)),))
     opt = Instr(Op.OPTIMIZER_STEP)
-    return Compiled("t", 2, 1, 1, layout, (
-        (Instr(Op.F, 0, 0), Instr(Op.SEND_ACT, 0, 0, 1), Instr(EVICT, 0, 0, 1),
-         Instr(LOAD, 0, 0, 1), Instr(Op.RECV_GRAD, 0, 0, 1), Instr(Op.BW, 0, 0), opt),
-        (Instr(Op.RECV_ACT, 1, 0, 0), Instr(ACCEPT, 0, 0, 0), Instr(Op.F, 1, 0),
-         Instr(Op.BW, 1, 0), Instr(RETURN, 0, 0, 0), Instr(Op.SEND_GRAD, 1, 0, 0), opt),
-    ))
+    return Compiled(
+        "t",
+        2,
+        1,
+        1,
+        layout,
+        (
+            (
+                Instr(Op.F, 0, 0),
+                Instr(Op.SEND_ACT, 0, 0, 1),
+                Instr(EVICT, 0, 0, 1),
+                Instr(LOAD, 0, 0, 1),
+                Instr(Op.RECV_GRAD, 0, 0, 1),
+                Instr(Op.BW, 0, 0),
+                opt,
+            ),
+            (
+                Instr(Op.RECV_ACT, 1, 0, 0),
+                Instr(ACCEPT, 0, 0, 0),
+                Instr(Op.F, 1, 0),
+                Instr(Op.BW, 1, 0),
+                Instr(RETURN, 0, 0, 0),
+                Instr(Op.SEND_GRAD, 1, 0, 0),
+                opt,
+            ),
+        ),
+    )
 
 
 def test_the_acceptor_is_held_to_the_limit():

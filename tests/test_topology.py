@@ -31,7 +31,9 @@ def test_a_message_costs_latency_plus_size_over_bandwidth_of_its_link():
         link = "intra=0.5:0.1,inter=0.25:0.2" if nodes == 2 else "intra=0.5:0.1"
         costs = replace(CostModel(), topology=make_topology(2, nodes, None, link))
         hop = (0.2 + (1 / 16) / 0.25) if nodes == 2 else (0.1 + (1 / 16) / 0.5)
-        assert compile_schedule("1f1b", 2, 1, costs=costs).sim.makespan == pytest.approx(6 + 2 * hop)
+        assert compile_schedule("1f1b", 2, 1, costs=costs).sim.makespan == pytest.approx(
+            6 + 2 * hop
+        )
 
 
 def test_without_a_topology_every_transfer_costs_comm():
@@ -79,7 +81,9 @@ def test_remap_moves_programs_and_keeps_every_order():
 
 def test_pair_adjacent_puts_each_pair_on_adjacent_gpus_of_one_node():
     """p=16 on 2 x 8: pair (s, 15-s) on GPUs 2s, 2s+1 of node s // 4."""
-    result = compile_schedule("1f1b", 16, 64, costs=two_nodes(), evict=True, mapping="pair-adjacent")
+    result = compile_schedule(
+        "1f1b", 16, 64, costs=two_nodes(), evict=True, mapping="pair-adjacent"
+    )
     topo, rank_of = result.costs.topology, result.compiled.layout.stage_rank
     for s in range(8):
         (node_a, gpu_a), (node_b, gpu_b) = topo.place(rank_of[s]), topo.place(rank_of[15 - s])
@@ -114,12 +118,29 @@ def test_pair_adjacent_needs_pairs_inside_nodes():
     with pytest.raises(PipecError, match="--gpus-per-node 3 .*use an even number"):
         pair_adjacent(layout, odd)
     assert pair_adjacent(layout, None) == (0, 2, 4, 5, 3, 1)
-    assert sorted(pair_adjacent(build_schedule("1f1b", Request(5, 5, 1)).layout, None)) == list(range(5))
+    assert sorted(pair_adjacent(build_schedule("1f1b", Request(5, 5, 1)).layout, None)) == list(
+        range(5)
+    )
 
 
 def test_cli_topology_mapping_and_show(tmp_path, capsys):
-    args = ["-s", "1f1b", "-p", "16", "-m", "32", "--nodes", "2", "--link", TWO_NODES,
-            "--mem", "in=0.003", "--evict", "--mapping", "pair-adjacent"]
+    args = [
+        "-s",
+        "1f1b",
+        "-p",
+        "16",
+        "-m",
+        "32",
+        "--nodes",
+        "2",
+        "--link",
+        TWO_NODES,
+        "--mem",
+        "in=0.003",
+        "--evict",
+        "--mapping",
+        "pair-adjacent",
+    ]
     assert cli_run("simulate", *args, "--json") == 0
     out = json.loads(capsys.readouterr().out)
     assert out["mapping"] == "pair-adjacent" and out["memory_limit"] == 9
