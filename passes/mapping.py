@@ -96,7 +96,8 @@ def remap(schedule: Schedule, devices: Sequence[int]) -> Schedule:
     orders: list = [()] * schedule.p
     for r, d in enumerate(devices):
         orders[d] = schedule.orders[r]
-    layout = replace(schedule.layout, stage_rank=tuple(devices[r] for r in schedule.layout.stage_rank))
+    stage_rank = tuple(devices[r] for r in schedule.layout.stage_rank)
+    layout = replace(schedule.layout, stage_rank=stage_rank)
     return replace(schedule, layout=layout, orders=tuple(orders))
 
 

@@ -3,9 +3,10 @@
 Semantics are the runtime's: sends are non-blocking and receives are posted early, so a
 compute op starts when its rank is free and every input has arrived (the producer's end, plus
 the transfer time when the producer is on another rank: `comm`, or the link's time under a
-topology). Stash moves (EVICT/ACCEPT, RETURN/LOAD) follow `passes/transfers.py`. That is the longest path over the DAG of program
-order and data edges; it is computed with one worklist pass, O(number of instructions), so a
-p=64, m=1024 schedule simulates in well under a second.
+topology). That is the longest path over the DAG of program order and data edges; it is
+computed with one worklist pass, O(number of instructions), so a p=64, m=1024 schedule
+simulates in well under a second. Stash moves (EVICT/ACCEPT, RETURN/LOAD) follow
+`passes/transfers.py`.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def _message_peer_error(instr: Instr, rank: int, compiled: Compiled) -> str | No
         if not 0 <= instr.peer < compiled.world or instr.peer == rank:
             return f"the peer must be another rank of the {compiled.world}"
         if layout.stage_rank[s] != evictor:
-            return f"stage {s} is on rank {layout.stage_rank[s]}, not on the evicting rank {evictor}"
+            return f"stage {s} is on rank {layout.stage_rank[s]}, not on the evicting one {evictor}"
         return None
     other = layout.next_stage(s) if instr.op in (Op.SEND_ACT, Op.RECV_GRAD) else layout.prev_stage(s)
     if other is None:

@@ -34,7 +34,7 @@ def _schedule_options(fn: Callable) -> Callable:
         click.option("--chunks", "-v", type=int, default=None, help="Chunks per rank v (default: the family's)."),
         click.option("--costs", default="", help="Per-op costs, e.g. F=1,B=1,W=1,comm=0 (F=1:2:1:1 per chunk)."),
         click.option("--mem", default="", help="Memory per op in stashes, e.g. F=1,W=-0.5 (B nets the rest)."),
-        click.option("--memory-limit", type=float, default=None, help="Peak activations cap per rank, in stashes."),
+        click.option("--memory-limit", type=float, default=None, help="Peak activations cap per rank, in stashes (--evict: evict down to it)."),
         click.option("--evict", is_flag=True, help="BPipe: evict stashes to a partner rank to meet --memory-limit (alone: the smallest feasible limit)."),
         click.option("--nodes", type=int, default=None, help="Nodes the pipeline spans (one rank per GPU)."),
         click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: --pp / --nodes)."),
@@ -69,7 +69,8 @@ def _eviction(sim: SimResult, topology: Topology | None, limit: float | None) ->
     }
 
 
-def _eviction_line(figures: dict) -> str:
+def _eviction_line(sim: SimResult, topology: Topology | None, limit: float | None) -> str:
+    figures = _eviction(sim, topology, limit)
     return (
         f"evict: limit {figures['memory_limit']:g} stashes per rank; {figures['evicted']} "
         f"stashes evicted and loaded back, {figures['moved_stashes']:g} stash units moved per "
@@ -124,7 +125,7 @@ def compile_cmd(out: Path, force: bool, **opts) -> None:
         f"makespan {sim.makespan:.6g}, bubble {sim.bubble:.4f}, span_bubble {sim.span_bubble:.4f}"
     )
     if result.plan.get("evict"):
-        click.echo(_eviction_line(_eviction(sim, result.costs.topology, result.plan["memory_limit"])))
+        click.echo(_eviction_line(sim, result.costs.topology, result.plan["memory_limit"]))
 
 
 @cli.command("simulate")
@@ -133,20 +134,20 @@ def compile_cmd(out: Path, force: bool, **opts) -> None:
 def simulate_cmd(as_json: bool, **opts) -> None:
     """Simulate a schedule and print per-rank figures; writes nothing."""
     result = _compile(**opts)
-    evicted = result.plan.get("evict")
-    figures = _eviction(result.sim, result.costs.topology, result.plan["memory_limit"])
+    evicted, limit = result.plan.get("evict"), result.plan["memory_limit"]
+    topology = result.costs.topology
     if as_json:
         c = result.compiled
         out = {"schedule": c.schedule, "p": c.p, "m": c.m, "v": c.v} | result.sim.to_json()
         if evicted:
-            out |= figures
+            out |= _eviction(result.sim, topology, limit)
         if "mapping" in result.plan:
             out["mapping"] = result.plan["mapping"]
         click.echo(json.dumps(out, sort_keys=True))
     else:
         click.echo(_rank_table(result.sim))
         if evicted:
-            click.echo(_eviction_line(figures))
+            click.echo(_eviction_line(result.sim, topology, limit))
 
 
 @cli.command()
@@ -167,7 +168,7 @@ def show(directory: Path, lines: int, width: int) -> None:
     sim = simulate(c.layout, c.programs, build.costs)
     click.echo(_rank_table(sim))
     if build.plan.get("evict"):
-        click.echo(_eviction_line(_eviction(sim, build.costs.topology, build.plan["memory_limit"])))
+        click.echo(_eviction_line(sim, build.costs.topology, build.plan["memory_limit"]))
     click.echo(_placement_table(c.layout, build.costs.topology))
     click.echo(terminal_gantt(sim, width))
 

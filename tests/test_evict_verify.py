@@ -118,7 +118,7 @@ def test_moves_in_mismatched_orders_deadlock(evicted):
         (
             Instr(EVICT, 0, 2, 3),
             Instr(EVICT, 1, 2, 3),
-            "stage 1 is on rank 1, not on the evicting rank 0",
+            "stage 1 is on rank 1, not on the evicting one 0",
         ),
     ],
 )
