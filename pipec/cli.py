@@ -179,8 +179,8 @@ def verify_cmd(directory: Path) -> None:
     """Check a build's programs against the invariants; exit 2 on any violation."""
     build = load(directory)
     c = build.compiled
-    sim = simulate(c.layout, c.programs, build.costs)
     verify(c, build.costs, None, build.plan.get("memory_limit"))
+    sim = simulate(c.layout, c.programs, build.costs)
     n = sum(len(p) for p in c.programs)
     click.echo(
         f"ok: {c.world} ranks, {n} instructions verified (coverage, dependencies, "

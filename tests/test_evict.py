@@ -116,3 +116,16 @@ def test_golden_1f1b_evict(p, m, golden):
     files = render_files(result)
     text = "".join(files[f"rank_{r:03d}.pipe"] for r in range(result.compiled.world))
     golden(f"1f1b_p{p}_m{m}_evict.pipe", text)
+
+
+def test_a_tampered_evict_build_fails_verification_at_the_move(tmp_path, capsys):
+    from tests.test_cli import cli_run
+
+    out = tmp_path / "b"
+    assert cli_run("compile", "-s", "1f1b", "-p", "4", "-m", "8", "--evict", "-o", str(out)) == 0
+    assert cli_run("verify", str(out)) == 0
+    f = out / "rank_003.pipe"
+    f.write_text(f.read_text().replace("RETURN s=0 mb=2 to=0\n", ""))
+    capsys.readouterr()
+    assert cli_run("verify", str(out)) == 2
+    assert "rank 0, instruction 17 (LOAD s=0 mb=2 from=3) waits" in capsys.readouterr().err
