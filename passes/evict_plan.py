@@ -41,7 +41,7 @@ class Infeasible(PipecError):
     """The limit cannot be met by eviction; the message says where it fails."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class RankView:
     """One rank's program as the pass sees it: compute ops and the gaps between them.
 
@@ -76,6 +76,7 @@ class RankView:
 
 
 def view(r: int, prog: Program, times: dict, profile: list[float]) -> RankView:
+    """Rank r's program seen as gaps, with one simulation's `times` and its memory profile."""
     comp = [j for j, i in enumerate(prog) if i.op in COMPUTE_OPS]
     span = [times[(prog[j].op, prog[j].stage, prog[j].mb)] for j in comp]
     clock = [0.0] + [end for _, end in span]
