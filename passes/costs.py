@@ -1,7 +1,9 @@
 """The cost model: how long each op takes and how much activation memory it holds.
 
 Durations are per stage op in the user's unit (the zero-bubble papers' tables are in ms);
-`comm` is the latency of one cross-rank transfer. A per-chunk list (`F=1:2:1:1`) gives each
+`comm` is the latency of one cross-rank transfer, unless a `topology` prices each transfer by
+the link it crosses (latency + size / bandwidth; a pipeline message carries a stage input,
+`mem_input`, and an evicted stash what F left). A per-chunk list (`F=1:2:1:1`) gives each
 model chunk its own cost. Memory is in units of one micro-batch's stash of one rank's full
 share of the model: F adds `mem_F`, W adds `mem_W` (a release, so negative) and B the rest, so
 that a micro-batch nets zero; with recompute, F keeps only `mem_input` and RECOMPUTE adds back
@@ -15,6 +17,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+from passes.topology import Topology
 from pipec.ir import Instr, Layout, Op, PipecError
 
 _ITEM = re.compile(r"^(F|B|W|comm)=([-+0-9.eE:]+)$")
@@ -34,6 +37,7 @@ class CostModel:
     mem_input: float = 1.0 / 16
     stash_bytes: tuple[float, ...] = ()
     """Bytes of one micro-batch's stash per model chunk; empty without a model."""
+    topology: Topology | None = None
 
     def per_chunk(self, kind: str, chunk: int) -> float:
         values = getattr(self, kind)
@@ -53,10 +57,24 @@ class CostModel:
             return self.per_chunk("B", chunk) + self.per_chunk("W", chunk)
         return 0.0
 
+    def stash_size(self, recompute: bool) -> float:
+        """What F leaves until the backward (in stashes of its stage): what EVICT moves."""
+        return self.mem_input if recompute else self.mem_F
+
+    def transfer_time(self, src: int, dst: int, size: float) -> float:
+        """How long moving `size` stash units from rank src to rank dst takes."""
+        if src == dst:
+            return 0.0
+        if self.topology is None:
+            return self.comm
+        return self.topology.link(src, dst).time(size)
+
     def mem_delta(self, op: Op, recompute: bool) -> float:
         """Activation memory an op adds (in stashes of its stage), from the fused/split rules."""
-        if op is Op.F:
-            return self.mem_input if recompute else self.mem_F
+        if op is Op.F or op is Op.LOAD or op is Op.ACCEPT:
+            return self.stash_size(recompute)
+        if op is Op.EVICT or op is Op.RETURN:
+            return -self.stash_size(recompute)
         if op is Op.RECOMPUTE:
             return self.mem_F - self.mem_input
         if op is Op.B:
@@ -80,19 +98,23 @@ class CostModel:
             )
 
     def to_json(self) -> dict:
-        d = {
+        out = {
             "F": list(self.F), "B": list(self.B), "W": list(self.W), "comm": self.comm,
             "mem_F": self.mem_F, "mem_W": self.mem_W, "mem_input": self.mem_input,
         }
-        if self.stash_bytes:  # absent without a model, so schedule-only plans keep their hash
-            d["stash_bytes"] = list(self.stash_bytes)
-        return d
+        # Absent when unused, so schedule-only plans (and golden headers) keep their hash.
+        if self.stash_bytes:
+            out["stash_bytes"] = list(self.stash_bytes)
+        if self.topology is not None:
+            out["topology"] = self.topology.to_json()
+        return out
 
     @staticmethod
     def from_json(d: dict) -> CostModel:
+        topology = Topology.from_json(d["topology"]) if "topology" in d else None
         return CostModel(
             tuple(d["F"]), tuple(d["B"]), tuple(d["W"]), d["comm"],
-            d["mem_F"], d["mem_W"], d["mem_input"], tuple(d.get("stash_bytes", ())),
+            d["mem_F"], d["mem_W"], d["mem_input"], tuple(d.get("stash_bytes", ())), topology,
         )
 
 

@@ -2,9 +2,11 @@
 
 Semantics are the runtime's: sends are non-blocking and receives are posted early, so a
 compute op starts when its rank is free and every input has arrived (the producer's end, plus
-`comm` when the producer is on another rank). That is the longest path over the DAG of program
-order and data edges; it is computed with one worklist pass, O(number of instructions), so a
-p=64, m=1024 schedule simulates in well under a second.
+the transfer time when the producer is on another rank: `comm`, or the link's time under a
+topology). That is the longest path over the DAG of program order and data edges; it is
+computed with one worklist pass, O(number of instructions), so a p=64, m=1024 schedule
+simulates in well under a second. Stash moves (EVICT/ACCEPT, RETURN/LOAD) follow
+`passes/transfers.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from passes.costs import CostModel
-from pipec.ir import COMPUTE_OPS, Instr, Layout, Op, PipecError, dependencies
+from passes.transfers import Transfer, Transfers
+from pipec.ir import COMPUTE_OPS, MEMORY_OPS, Instr, Layout, Op, PipecError, dependencies
 
 Node = tuple[Op, int, int]
 
@@ -51,9 +54,16 @@ class SimResult:
     span_bubble: float
     ranks: tuple[RankStats, ...]
     timeline: tuple[tuple[Slot, ...], ...]
+    transfers: tuple[Transfer, ...] = ()
+
+    @property
+    def moved(self) -> float:
+        """Stash units moved by evictions and loads in one iteration."""
+        return sum(t.size for t in self.transfers)
 
     def to_json(self) -> dict:
-        return {
+        extra = {"moved_stashes": _round(self.moved)} if self.transfers else {}
+        return extra | {
             "makespan": _round(self.makespan),
             "bubble": _round(self.bubble),
             "span_bubble": _round(self.span_bubble),
@@ -84,23 +94,31 @@ def uses_recompute(programs: Sequence[Sequence[Instr]]) -> bool:
 Played = tuple[dict[Node, tuple[float, float]], list[Node]]
 
 
-def play(layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostModel) -> Played:
+def play(
+    layout: Layout,
+    programs: Sequence[Sequence[Instr]],
+    costs: CostModel,
+    transfers: Transfers | None = None,
+) -> Played:
     """Start and end time of every compute op, and the order in which they completed.
 
     The completion order is a topological order of program order plus data edges, and ends
     are non-decreasing along every such edge, so (end, position) orders events causally.
     A program that can never finish (a cycle) is a PipecError naming each stuck rank.
+    Stash transfers are recorded in `transfers` when one is given.
     """
     recompute = uses_recompute(programs)
     rank_of = layout.stage_rank
-    compute = [[i for i in prog if i.op in COMPUTE_OPS] for prog in programs]
+    compute = [[i for i in prog if i.op in COMPUTE_OPS or i.op in MEMORY_OPS] for prog in programs]
     times: dict[Node, tuple[float, float]] = {}
     done_order: list[Node] = []
-    waiting: dict[Node, list[int]] = {}
+    waiting: dict[object, list[int]] = {}
     pos = [0] * len(compute)
     clock = [0.0] * len(compute)
     ready = list(range(len(compute)))
-    comm = costs.comm
+    size = costs.mem_input * layout.stash_share  # a stage input: what a message carries
+    msg = [[costs.transfer_time(a, b, size) for b in range(layout.p)] for a in range(layout.p)]
+    moves = transfers if transfers is not None else Transfers(layout, costs, recompute)
     durations: dict[tuple[Op, int], float] = {}
     memo = layout._dependency_cache[recompute]  # read inline: this loop is the hot path
     while ready:
@@ -108,6 +126,10 @@ def play(layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostModel) 
         order, k, t = compute[r], pos[r], clock[r]
         while k < len(order):
             instr = order[k]
+            if instr.op in MEMORY_OPS:
+                ready.extend(waiting.pop(moves.reach(r, instr, t), ()))
+                k += 1
+                continue
             node = (instr.op, instr.stage, instr.mb)
             start = t
             blocked = None
@@ -116,8 +138,16 @@ def play(layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostModel) 
                 if finished is None:
                     blocked = dep
                     break
-                arrive = finished[1] + (comm if rank_of[dep[1]] != r else 0.0)
-                start = max(start, arrive)
+                arrive = finished[1] + msg[rank_of[dep[1]]][r]
+                if arrive > start:
+                    start = arrive
+            gate = moves.gate(r, instr) if blocked is None and moves.pending else None
+            if gate is not None:
+                if gate[1] is None:
+                    blocked = gate[0]
+                else:
+                    start = max(start, gate[1])
+                    moves.consume(r, instr)
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(r)
                 break
@@ -169,10 +199,12 @@ def simulate(
 ) -> SimResult:
     """Simulate the programs (compute orders or lowered programs) under `costs`.
 
-    `played` reuses a `play` of the same compute orders (lowering keeps them), saving a pass.
+    `played` reuses a `play` of the same compute orders when the programs move no stash
+    (lowering keeps the orders), saving a pass.
     """
-    times, _ = played or play(layout, programs, costs)
     recompute = uses_recompute(programs)
+    moves = Transfers(layout, costs, recompute)
+    times, _ = played or play(layout, programs, costs, moves)
     timeline, ranks = [], []
     for prog in programs:
         slots = tuple(
@@ -194,4 +226,5 @@ def simulate(
     bubble = 1 - total_busy / (len(programs) * makespan) if makespan > 0 else 0.0
     max_span = max(r.span for r in ranks)
     span_bubble = 1 - max(r.busy for r in ranks) / max_span if max_span > 0 else 0.0
-    return SimResult(makespan, bubble, span_bubble, tuple(ranks), tuple(timeline))
+    transfers = tuple(moves.records)
+    return SimResult(makespan, bubble, span_bubble, tuple(ranks), tuple(timeline), transfers)

@@ -5,7 +5,9 @@
 3. Sends and receives match one to one, and executing all programs with *blocking* point-to-
    point (a send waits for its receive) finishes: the system has no deadlock.
 4. Each rank's peak live activations, counted stash by stash, equal what the simulator reports
-   and stay within the user's memory limit.
+   and stay within the user's memory limit. Stash moves (BPipe) count where the stash is: an
+   EVICT frees it on the evictor, ACCEPT holds it on the acceptor until RETURN, LOAD brings it
+   back; `passes/residency.py` checks that no stash is used while evicted.
 
 Invariants 2 and 3 are checked together by executing the programs under blocking semantics
 in one O(n) worklist pass. A violation is a `VerifyError` naming rank, position, instruction.
@@ -16,8 +18,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from passes.costs import CostModel
+from passes.residency import check_residency
 from passes.simulate import uses_recompute
-from pipec.ir import COMPUTE_OPS, RECV_OPS, SEND_OPS, Compiled, Instr, Op, PipecError, dependencies
+from pipec.ir import (
+    COMPUTE_OPS,
+    MEMORY_OPS,
+    RECV_OPS,
+    SEND_OPS,
+    Compiled,
+    Instr,
+    Op,
+    PipecError,
+    dependencies,
+)
 
 
 class VerifyError(PipecError):
@@ -41,6 +54,7 @@ def verify(
     """
     check_coverage(compiled)
     check_execution(compiled)
+    check_residency(compiled)
     check_memory(compiled, costs, peaks, memory_limit)
 
 
@@ -82,10 +96,16 @@ def check_coverage(compiled: Compiled) -> None:
         )
 
 
-def _counterpart(instr: Instr, rank: int, compiled: Compiled) -> Instr:
-    """The instruction the peer must execute to match a send or receive."""
+#: The half each stash-move instruction is matched with on the peer.
+_MEMORY_PAIR = {Op.EVICT: Op.ACCEPT, Op.ACCEPT: Op.EVICT, Op.LOAD: Op.RETURN, Op.RETURN: Op.LOAD}
+
+
+def counterpart(instr: Instr, rank: int, compiled: Compiled) -> Instr:
+    """The instruction the peer must execute to match a send, receive or stash move."""
     layout = compiled.layout
     s = instr.stage
+    if instr.op in MEMORY_OPS:
+        return Instr(_MEMORY_PAIR[instr.op], s, instr.mb, rank)
     if instr.op is Op.SEND_ACT:
         return Instr(Op.RECV_ACT, layout.next_stage(s), instr.mb, rank)
     if instr.op is Op.RECV_ACT:
@@ -95,12 +115,19 @@ def _counterpart(instr: Instr, rank: int, compiled: Compiled) -> Instr:
     return Instr(Op.SEND_GRAD, layout.next_stage(s), instr.mb, rank)
 
 
-def _message_peer_error(instr: Instr, compiled: Compiled) -> str | None:
+def _message_peer_error(instr: Instr, rank: int, compiled: Compiled) -> str | None:
     """Why a send/receive names the wrong peer or a stage with no such neighbour, if it does."""
     layout = compiled.layout
     s = instr.stage
     if s is None or instr.mb is None or instr.peer is None or not 0 <= s < layout.n_stages:
         return "needs a valid s=, mb= and peer"
+    if instr.op in MEMORY_OPS:  # the evictor holds the stage; the acceptor is another rank
+        evictor = rank if instr.op in (Op.EVICT, Op.LOAD) else instr.peer
+        if not 0 <= instr.peer < compiled.world or instr.peer == rank:
+            return f"the peer must be another rank of the {compiled.world}"
+        if layout.stage_rank[s] != evictor:
+            return f"stage {s} is on rank {layout.stage_rank[s]}, not on the evicting one {evictor}"
+        return None
     other = layout.next_stage(s) if instr.op in (Op.SEND_ACT, Op.RECV_GRAD) else layout.prev_stage(s)
     if other is None:
         return f"stage {s} has no neighbour in that direction"
@@ -142,19 +169,22 @@ def check_execution(compiled: Compiled) -> None:
             instr = prog[pos[r]]
             if instr.op in COMPUTE_OPS:
                 step_compute(r, instr)
-            elif instr.op in SEND_OPS or instr.op in RECV_OPS:
-                bad = _message_peer_error(instr, compiled)
+            elif instr.op in SEND_OPS or instr.op in RECV_OPS or instr.op in MEMORY_OPS:
+                bad = _message_peer_error(instr, r, compiled)
                 if bad:
                     raise VerifyError(f"{_at(r, pos[r], instr)}: {bad}")
-                q, other = instr.peer, _counterpart(instr, r, compiled)
-                send, sender, receiver = (instr, r, q) if instr.op in SEND_OPS else (other, q, r)
-                payload = (Op.F if send.op is Op.SEND_ACT else bwd, send.stage, send.mb)
-                if sender == r and payload not in available[r]:
-                    raise VerifyError(f"{_at(r, pos[r], instr)}: sends what is not computed yet")
+                q, other = instr.peer, counterpart(instr, r, compiled)
+                payload = None  # a stash move carries no work-graph value
+                if instr.op not in MEMORY_OPS:
+                    send, sender, receiver = (instr, r, q) if instr.op in SEND_OPS else (other, q, r)
+                    payload = (Op.F if send.op is Op.SEND_ACT else bwd, send.stage, send.mb)
+                    if sender == r and payload not in available[r]:
+                        raise VerifyError(f"{_at(r, pos[r], instr)}: sends what is not computed yet")
                 if pos[q] >= len(programs[q]) or programs[q][pos[q]] != other:
                     waiters[q].add(r)  # blocked until the peer reaches the counterpart
                     break
-                available[receiver].add(payload)
+                if payload is not None:
+                    available[receiver].add(payload)
                 pos[q] += 1
                 ready.add(q)
                 ready |= waiters[q]  # the peer moved: whoever waits on it may go on
@@ -196,8 +226,10 @@ def check_memory(
                 new = costs.mem_F * share
             elif instr.op is Op.B:
                 new = -costs.mem_W * share  # what W still needs after the input gradient
-            elif instr.op in (Op.W, Op.BW):
+            elif instr.op in (Op.W, Op.BW, Op.EVICT, Op.RETURN):
                 new = 0.0
+            elif instr.op in (Op.LOAD, Op.ACCEPT):  # the stash as F left it, here again
+                new = costs.stash_size(recompute) * share
             else:
                 continue
             live += new - stash.get(key, 0.0)

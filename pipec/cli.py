@@ -8,19 +8,22 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from codegen.render import measured_table, terminal_gantt
 from passes.costs import parse_costs, parse_mem
+from passes.placement import MAPPINGS
 from passes.registry import SCHEDULES, family
 from passes.simulate import SimResult, simulate
+from passes.topology import Topology, make_topology
 from passes.verify import verify
 from pipec.build_dir import emit, load
 from pipec.compile import CompileResult, compile_schedule
 from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
-from pipec.ir import PipecError
+from pipec.ir import Layout, PipecError
 from pipec.model import compile_model
 
 
@@ -35,7 +38,12 @@ def _schedule_options(fn: Callable) -> Callable:
         click.option("--chunks", "-v", type=int, default=None, help="Chunks per rank v (default: the family's)."),
         click.option("--costs", default="", help="Per-op costs, e.g. F=1,B=1,W=1,comm=0 (F=1:2:1:1 per chunk)."),
         click.option("--mem", default="", help="Memory per op in stashes, e.g. F=1,W=-0.5 (B nets the rest)."),
-        click.option("--memory-limit", type=float, default=None, help="Peak activations cap per rank, in stashes."),
+        click.option("--memory-limit", type=float, default=None, help="Peak activations cap per rank, in stashes (--evict: evict down to it)."),
+        click.option("--evict", is_flag=True, help="BPipe: evict stashes to a partner rank to meet --memory-limit (alone: the smallest feasible limit)."),
+        click.option("--nodes", type=int, default=None, help="Nodes the pipeline spans (one rank per GPU)."),
+        click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: --pp / --nodes)."),
+        click.option("--link", default="", help="Links as BANDWIDTH:LATENCY (stashes per time unit : time), e.g. intra=4:0.01,inter=0.4:0.05."),
+        click.option("--mapping", type=click.Choice(MAPPINGS), default="sequential", show_default=True, help="Rank-to-device placement; auto keeps the fastest."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -44,6 +52,7 @@ def _schedule_options(fn: Callable) -> Callable:
 
 def _compile(
     schedule, from_torch, from_torch_csv, pp, microbatches, chunks, costs, mem, memory_limit,
+    evict, nodes, gpus_per_node, link, mapping,
     model=None, partition=None, profile=False, dp=1,
 ) -> CompileResult:
     cost_model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
@@ -53,6 +62,8 @@ def _compile(
         raise PipecError("--partition and --profile need a MODEL (path/to/file.py:factory)")
     if model is not None and schedule is None:
         raise PipecError("a MODEL compiles with --schedule; imported torch orders take no MODEL yet")
+    if (evict or mapping != "sequential") and schedule is None:
+        raise PipecError("--evict and --mapping work with --schedule; not on imported torch orders yet")
     if from_torch_csv is not None:
         return compile_torch_csv(
             from_torch_csv, cost_model, memory_limit, (pp, microbatches, chunks)
@@ -60,6 +71,7 @@ def _compile(
     for flag, value in (("--pp", pp), ("--microbatches", microbatches)):
         if value is None:
             raise click.UsageError(f"Missing option '{flag}'.")
+    cost_model = replace(cost_model, topology=make_topology(pp, nodes, gpus_per_node, link))
     if from_torch is not None:
         result, notes = compile_torch_class(
             from_torch, pp, microbatches, chunks, cost_model, memory_limit
@@ -68,11 +80,44 @@ def _compile(
             click.echo(f"pipec: note: {note}", err=True)
         return result
     if model is None:
-        return compile_schedule(schedule, pp, microbatches, chunks, cost_model, memory_limit, dp=dp)
+        return compile_schedule(
+            schedule, pp, microbatches, chunks, cost_model, memory_limit, dp=dp, evict=evict,
+            mapping=mapping,
+        )
     return compile_model(
         model, schedule, pp, microbatches, chunks, cost_model, memory_limit,
-        partition or "balanced", profile, dp,
+        partition or "balanced", profile, dp, evict, mapping,
     )
+
+
+def _eviction(sim: SimResult, topology: Topology | None, limit: float | None) -> dict:
+    """What eviction did in one iteration, for printing and for --json."""
+    g = topology.gpus_per_node if topology else None
+    inter = sum(t.size for t in sim.transfers if g and t.src // g != t.dst // g)
+    return {
+        "memory_limit": limit,
+        "evicted": sum(t.kind == "evict" for t in sim.transfers),
+        "moved_stashes": round(sim.moved, 9),
+        "moved_inter_node": round(inter, 9),
+    }
+
+
+def _eviction_line(sim: SimResult, topology: Topology | None, limit: float | None) -> str:
+    figures = _eviction(sim, topology, limit)
+    return (
+        f"evict: limit {figures['memory_limit']:g} stashes per rank; {figures['evicted']} "
+        f"stashes evicted and loaded back, {figures['moved_stashes']:g} stash units moved per "
+        f"iteration ({figures['moved_inter_node']:g} over inter-node links)"
+    )
+
+
+def _placement_table(layout: Layout, topology: Topology | None) -> str:
+    g = topology.gpus_per_node if topology else layout.p
+    lines = [f"{'stage':>5}  {'rank':>4}  {'node':>4}  {'gpu':>3}"]
+    for s, r in enumerate(layout.stage_rank):
+        node, gpu = divmod(r, g)
+        lines.append(f"{s:>5}  {r:>4}  {node:>4}  {gpu:>3}")
+    return "\n".join(lines)
 
 
 def _rank_table(sim: SimResult) -> str:
@@ -125,6 +170,8 @@ def compile_cmd(out: Path, force: bool, **opts) -> None:
         f"wrote {out}/: {result.compiled.world} rank programs, plan {result.plan_hash}; "
         f"makespan {sim.makespan:.6g}, bubble {sim.bubble:.4f}, span_bubble {sim.span_bubble:.4f}"
     )
+    if result.plan.get("evict"):
+        click.echo(_eviction_line(sim, result.costs.topology, result.plan["memory_limit"]))
 
 
 @cli.command("simulate")
@@ -133,12 +180,20 @@ def compile_cmd(out: Path, force: bool, **opts) -> None:
 def simulate_cmd(as_json: bool, **opts) -> None:
     """Simulate a schedule and print per-rank figures; writes nothing."""
     result = _compile(**opts)
+    evicted, limit = result.plan.get("evict"), result.plan["memory_limit"]
+    topology = result.costs.topology
     if as_json:
         c = result.compiled
         out = {"schedule": c.schedule, "p": c.p, "m": c.m, "v": c.v} | result.sim.to_json()
+        if evicted:
+            out |= _eviction(result.sim, topology, limit)
+        if "mapping" in result.plan:
+            out["mapping"] = result.plan["mapping"]
         click.echo(json.dumps(out, sort_keys=True))
     else:
         click.echo(_rank_table(result.sim))
+        if evicted:
+            click.echo(_eviction_line(result.sim, topology, limit))
 
 
 @cli.command()
@@ -158,6 +213,9 @@ def show(directory: Path, lines: int, width: int) -> None:
             click.echo(f"  ... {len(program) - len(shown)} more (--lines 0 shows all)")
     sim = simulate(c.layout, c.programs, build.costs)
     click.echo(_rank_table(sim))
+    if build.plan.get("evict"):
+        click.echo(_eviction_line(sim, build.costs.topology, build.plan["memory_limit"]))
+    click.echo(_placement_table(c.layout, build.costs.topology))
     click.echo(terminal_gantt(sim, width))
     measured = directory / "measured" / "stats.json"
     if measured.is_file():  # written by a run of OUT/launch.py
@@ -170,8 +228,8 @@ def verify_cmd(directory: Path) -> None:
     """Check a build's programs against the invariants; exit 2 on any violation."""
     build = load(directory)
     c = build.compiled
-    sim = simulate(c.layout, c.programs, build.costs)
     verify(c, build.costs, None, build.plan.get("memory_limit"))
+    sim = simulate(c.layout, c.programs, build.costs)
     n = sum(len(p) for p in c.programs)
     click.echo(
         f"ok: {c.world} ranks, {n} instructions verified (coverage, dependencies, "

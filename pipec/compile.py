@@ -1,6 +1,7 @@
 """The compile driver: one short function that runs the passes in order.
 
-schedule family -> lower (send/recv, optimizer step) -> simulate -> verify -> plan.
+schedule family -> place on devices, lower (send/recv, optimizer step), evict
+(passes/placement.py) -> simulate -> verify -> plan.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from codegen.render import dump_json
 from passes.costs import CostModel
 from passes.data_parallel import add_dp_sync
 from passes.lower import lower
+from passes.placement import place
 from passes.registry import Request, build_schedule, family
 from passes.simulate import Played, SimResult, play, simulate
 from passes.verify import verify
@@ -62,17 +64,22 @@ def compile_schedule(
     memory_limit: float | None = None,
     model: dict | None = None,
     dp: int = 1,
+    evict: bool = False,
+    mapping: str = "sequential",
 ) -> CompileResult:
     """Build a registered family's schedule, then lower, simulate and verify it.
 
-    `dp` > 1 adds data-parallel gradient sync; the world is then p·dp ranks.
+    `dp` > 1 adds data-parallel gradient sync; the world is then p·dp ranks. With `evict`,
+    the family builds its schedule without the memory limit and eviction holds every rank
+    to it (to the smallest feasible limit when none is given).
     """
     if dp < 1:
         raise PipecError(f"--dp must be at least 1 (got {dp})")
     v = family(schedule).default_v if v is None else v
     with gc_paused():
-        sched = build_schedule(schedule, Request(p, m, v, costs, memory_limit))
-        return compile_from_schedule(sched, costs, memory_limit, model, dp)
+        req = Request(p, m, v, costs, None if evict else memory_limit)
+        sched = build_schedule(schedule, req)
+        return compile_from_schedule(sched, costs, memory_limit, model, dp, evict, mapping)
 
 
 def compile_from_schedule(
@@ -81,15 +88,21 @@ def compile_from_schedule(
     memory_limit: float | None = None,
     model: dict | None = None,
     dp: int = 1,
+    evict: bool = False,
+    mapping: str = "sequential",
 ) -> CompileResult:
     """Lower, simulate and verify a schedule built anywhere (a family, an imported order)."""
     with gc_paused():
         costs.check_chunks(sched.layout.n_chunks)
-        played = play(sched.layout, sched.orders, costs)  # lowering keeps the compute orders
-        compiled = lower(sched, costs, played)
+        played = None
+        if evict or mapping != "sequential":
+            compiled, mapping, memory_limit = place(sched, costs, mapping, evict, memory_limit)
+        else:  # the common case: one play serves lowering and simulation (orders are kept)
+            played = play(sched.layout, sched.orders, costs)
+            compiled = lower(sched, costs, played)
         if dp > 1:
             compiled = add_dp_sync(compiled)
-        return package(compiled, costs, memory_limit, model, dp, played)
+        return package(compiled, costs, memory_limit, model, dp, played, evict, mapping)
 
 
 def package(
@@ -99,6 +112,8 @@ def package(
     model: dict | None = None,
     dp: int = 1,
     played: Played | None = None,
+    evict: bool = False,
+    mapping: str = "sequential",
 ) -> CompileResult:
     """Simulate and verify lowered programs and make their plan (also hand-written programs)."""
     sim = simulate(compiled.layout, compiled.programs, costs, played)
@@ -115,7 +130,12 @@ def package(
         "memory_limit": memory_limit,
         "model": model,
     }
-    if dp > 1:  # absent for dp=1, so schedule-only plans (and golden headers) keep their hash
+    # Keys only where used, so that plans without them (and golden headers) keep their hash.
+    if dp > 1:
         plan["dp"] = dp
+    if evict:
+        plan["evict"] = True
+    if mapping != "sequential":
+        plan["mapping"] = mapping
     text = dump_json(plan)
     return CompileResult(compiled, sim, costs, plan, text, plan_hash(text))

@@ -44,7 +44,8 @@ class Op(enum.Enum):
     EVICT = "EVICT"
     """Send the stash of (stage, mb) to the acceptor `peer` and free it here."""
     LOAD = "LOAD"
-    """Ask the acceptor `peer` for the stash of (stage, mb) back, ahead of its backward."""
+    """Post the receive of the stash of (stage, mb) that the acceptor `peer` RETURNs, ahead of
+    its backward (a prefetch); the first op that reads the stash waits for it to arrive."""
     ACCEPT = "ACCEPT"
     """Receive and hold the stash of (stage, mb) evicted by `peer`."""
     RETURN = "RETURN"
@@ -62,6 +63,8 @@ class Op(enum.Enum):
 COMPUTE_OPS = frozenset({Op.F, Op.B, Op.W, Op.BW, Op.RECOMPUTE})
 SEND_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD})
 RECV_OPS = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
+#: BPipe's stash moves: EVICT/ACCEPT and RETURN/LOAD are matched pairs between two ranks.
+MEMORY_OPS = frozenset({Op.EVICT, Op.LOAD, Op.ACCEPT, Op.RETURN})
 #: Ops whose peer field is the destination (printed `to=`); the others print `from=`.
 TO_PEER_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.EVICT, Op.RETURN, Op.ALLREDUCE_GRADS})
 _OP_NAME = {op: op.value for op in Op}  # Enum's .value is a slow descriptor on hot paths

@@ -45,6 +45,8 @@ def compile_model(
     partition: str = "balanced",
     profile: bool = False,
     dp: int = 1,
+    evict: bool = False,
+    mapping: str = "sequential",
 ) -> CompileResult:
     """Trace and measure the model of `spec` for this schedule's layout, then compile."""
     from pipec.frontend import FrontendError, build_model_plan  # torch: only with a model
@@ -54,7 +56,7 @@ def compile_model(
     if (costs.F, costs.B, costs.W) != (default.F, default.B, default.W):
         raise PipecError("--costs F/B/W come from the model; with MODEL give only comm=")
     v = family(schedule).default_v if v is None else v
-    layout = build_schedule(schedule, Request(p, m, v, costs, memory_limit)).layout
+    layout = build_schedule(schedule, Request(p, m, v, costs, None if evict else memory_limit)).layout
     try:
         plan = build_model_plan(
             spec,
@@ -68,5 +70,6 @@ def compile_model(
         raise PipecError(str(e)) from None
     model = plan.to_json()
     return compile_schedule(
-        schedule, p, m, v, model_costs(model, costs), memory_limit, model=model, dp=dp
+        schedule, p, m, v, model_costs(model, costs), memory_limit, model=model, dp=dp,
+        evict=evict, mapping=mapping,
     )
