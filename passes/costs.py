@@ -1,11 +1,12 @@
 """The cost model: how long each op takes and how much activation memory it holds.
 
 Durations are per stage op in the user's unit (the zero-bubble papers' tables are in ms);
-`comm` is the latency of one cross-rank transfer. A per-chunk list (`F=1:2:1:1`) gives each
-model chunk its own cost. Memory is in units of one micro-batch's stash of one rank's full
-share of the model: F adds `mem_F`, W adds `mem_W` (a release, so negative) and B the rest, so
-that a micro-batch nets zero; with recompute, F keeps only `mem_input` and RECOMPUTE adds back
-what is missing before the backward.
+`comm` is the latency of one cross-rank transfer; `allreduce` is the time of one chunk's
+gradient all-reduce between the two ranks that hold its replicas. A per-chunk list
+(`F=1:2:1:1`) gives each model chunk its own cost. Memory is in units of one micro-batch's
+stash of one rank's full share of the model: F adds `mem_F`, W adds `mem_W` (a release, so
+negative) and B the rest, so that a micro-batch nets zero; with recompute, F keeps only
+`mem_input` and RECOMPUTE adds back what is missing before the backward.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from pipec.ir import Instr, Layout, Op, PipecError
 
-_ITEM = re.compile(r"^(F|B|W|comm)=([-+0-9.eE:]+)$")
+_ITEM = re.compile(r"^(F|B|W|comm|allreduce)=([-+0-9.eE:]+)$")
 _MEM_ITEM = re.compile(r"^(F|W|in)=([-+0-9.eE]+)$")
 
 
@@ -31,6 +32,7 @@ class CostModel:
     mem_F: float = 1.0
     mem_W: float = -1.0
     mem_input: float = 1.0 / 16
+    allreduce: float = 0.0
 
     def per_chunk(self, kind: str, chunk: int) -> float:
         values = getattr(self, kind)
@@ -73,16 +75,20 @@ class CostModel:
                 )
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "F": list(self.F), "B": list(self.B), "W": list(self.W), "comm": self.comm,
             "mem_F": self.mem_F, "mem_W": self.mem_W, "mem_input": self.mem_input,
         }
+        # Written only when set, so plans (and their hashes) from before the field stay valid.
+        if self.allreduce:
+            out["allreduce"] = self.allreduce
+        return out
 
     @staticmethod
     def from_json(d: dict) -> CostModel:
         return CostModel(
             tuple(d["F"]), tuple(d["B"]), tuple(d["W"]), d["comm"],
-            d["mem_F"], d["mem_W"], d["mem_input"],
+            d["mem_F"], d["mem_W"], d["mem_input"], d.get("allreduce", 0.0),
         )
 
 
@@ -104,11 +110,11 @@ def parse_costs(text: str, base: CostModel | None = None) -> CostModel:
         if not m:
             raise PipecError(
                 f"--costs: cannot read '{item}'; expected KEY=VALUE with KEY in F, B, W, comm, "
-                "e.g. --costs F=1,B=2,W=1,comm=0.1"
+                "allreduce, e.g. --costs F=1,B=2,W=1,comm=0.1"
             )
         key, value = m.groups()
-        if key == "comm":
-            fields["comm"] = _number(value, "--costs comm")
+        if key in ("comm", "allreduce"):
+            fields[key] = _number(value, f"--costs {key}")
         else:
             fields[key] = tuple(_number(v, f"--costs {key}") for v in value.split(":"))
     for key, value in fields.items():

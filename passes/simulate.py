@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from passes.costs import CostModel
+from passes.replicas import sync_times
 from pipec.ir import COMPUTE_OPS, Instr, Layout, Op, PipecError, dependencies
 
 Node = tuple[Op, int, int]
@@ -29,9 +30,15 @@ class Slot:
 
 @dataclass(frozen=True)
 class RankStats:
+    """`params`: parameter memory in units of one rank's share of one model copy (2 where a
+    rank holds two replicas); `sync`: how long the rank's replica all-reduces run past its
+    last compute op (the part of the gradient sync that compute did not hide)."""
+
     busy: float
     span: float
     peak_activations: float
+    params: float
+    sync: float
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,8 @@ class SimResult:
 
     `bubble` = 1 - sum(busy) / (p * makespan): what an iteration costs in wall time.
     `span_bubble` = 1 - max(busy) / max(span), span = first start to last end on a rank:
-    the zero-bubble papers' metric.
+    the zero-bubble papers' metric. The makespan includes replica all-reduces that outlast
+    the compute; spans do not.
     """
 
     makespan: float
@@ -60,6 +68,8 @@ class SimResult:
                     "busy": _round(s.busy),
                     "span": _round(s.span),
                     "peak_activations": _round(s.peak_activations),
+                    "params": _round(s.params),
+                    "sync": _round(s.sync),
                 }
                 for r, s in enumerate(self.ranks)
             ],
@@ -141,18 +151,20 @@ def activation_profile(
 def simulate(layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostModel) -> SimResult:
     """Simulate the programs (compute orders or lowered programs) under `costs`."""
     times, _ = play(layout, programs, costs)
+    synced = sync_times(layout, programs, times, costs)
     recompute = uses_recompute(programs)
     timeline, ranks = [], []
-    for prog in programs:
+    for r, prog in enumerate(programs):
         slots = tuple(
             Slot(i, *times[(i.op, i.stage, i.mb)]) for i in prog if i.op in COMPUTE_OPS
         )
         busy = sum(s.end - s.start for s in slots)
         span = slots[-1].end - slots[0].start if slots else 0.0
         peak = max([0.0, *activation_profile(prog, layout, costs, recompute)])
+        sync = max(0.0, synced[r] - (slots[-1].end if slots else 0.0))
         timeline.append(slots)
-        ranks.append(RankStats(busy, span, peak))
-    makespan = max((s[-1].end for s in timeline if s), default=0.0)
+        ranks.append(RankStats(busy, span, peak, layout.params_of_rank(r), sync))
+    makespan = max(synced + [s[-1].end for s in timeline if s], default=0.0)
     total_busy = sum(r.busy for r in ranks)
     bubble = 1 - total_busy / (len(programs) * makespan) if makespan > 0 else 0.0
     max_span = max(r.span for r in ranks)

@@ -3,7 +3,10 @@
 1. Every op of the work graph appears exactly once, on the rank its stage is mapped to.
 2. Program order respects every data dependency; an input from another rank is received first.
 3. Sends and receives match one to one, and executing all programs with *blocking* point-to-
-   point (a send waits for its receive) finishes: the system has no deadlock.
+   point (a send waits for its receive) finishes: the system has no deadlock. The same holds
+   for replica all-reduces (ALLREDUCE_GRADS): each replicated stage has exactly one, both
+   ranks of the pair meet at it (a blocking rendezvous), and each side has finished all of
+   that stage's backward work by then.
 4. Each rank's peak live activations, counted stash by stash, equal what the simulator reports
    and stay within the user's memory limit.
 
@@ -15,9 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from passes import replicas
 from passes.costs import CostModel
 from passes.simulate import uses_recompute
-from pipec.ir import COMPUTE_OPS, RECV_OPS, SEND_OPS, Compiled, Instr, Op, PipecError, dependencies
+from pipec.ir import (
+    COMPUTE_OPS, RECV_OPS, SEND_OPS, Compiled, Instr, Layout, Op, PipecError, dependencies,
+)
 
 
 class VerifyError(PipecError):
@@ -80,6 +86,9 @@ def check_coverage(compiled: Compiled) -> None:
             f"rank {layout.stage_rank[s]}: {k.value} s={s} mb={i} is missing "
             f"({len(missing)} work-graph ops missing in all)"
         )
+    bad = replicas.coverage_error(layout, programs)
+    if bad:
+        raise VerifyError(bad)
 
 
 def _counterpart(instr: Instr, rank: int, compiled: Compiled) -> Instr:
@@ -115,6 +124,7 @@ def check_execution(compiled: Compiled) -> None:
     recompute = uses_recompute(programs)
     rank_of = layout.stage_rank
     bwd = Op.B if any(i.op is Op.B for prog in programs for i in prog) else Op.BW
+    split = bwd is Op.B
     n = len(programs)
     available: list[set] = [set() for _ in range(n)]  # nodes computed here or received here
     pos = [0] * n
@@ -140,19 +150,17 @@ def check_execution(compiled: Compiled) -> None:
             instr = prog[pos[r]]
             if instr.op in COMPUTE_OPS:
                 step_compute(r, instr)
-            elif instr.op in SEND_OPS or instr.op in RECV_OPS:
-                bad = _message_peer_error(instr, compiled)
-                if bad:
-                    raise VerifyError(f"{_at(r, pos[r], instr)}: {bad}")
-                q, other = instr.peer, _counterpart(instr, r, compiled)
-                send, sender, receiver = (instr, r, q) if instr.op in SEND_OPS else (other, q, r)
-                payload = (Op.F if send.op is Op.SEND_ACT else bwd, send.stage, send.mb)
-                if sender == r and payload not in available[r]:
-                    raise VerifyError(f"{_at(r, pos[r], instr)}: sends what is not computed yet")
+            elif instr.op in SEND_OPS or instr.op in RECV_OPS or instr.op is Op.ALLREDUCE_GRADS:
+                if instr.op is Op.ALLREDUCE_GRADS:
+                    other, delivery = _sync_rendezvous(r, pos[r], instr, layout, available, split)
+                else:
+                    other, delivery = _message(r, pos[r], instr, compiled, available, bwd)
+                q = instr.peer
                 if pos[q] >= len(programs[q]) or programs[q][pos[q]] != other:
                     waiters[q].add(r)  # blocked until the peer reaches the counterpart
                     break
-                available[receiver].add(payload)
+                if delivery:
+                    available[delivery[0]].add(delivery[1])
                 pos[q] += 1
                 ready.add(q)
                 ready |= waiters[q]  # the peer moved: whoever waits on it may go on
@@ -171,6 +179,37 @@ def check_execution(compiled: Compiled) -> None:
     for r, prog in enumerate(programs):
         if not prog or prog[-1].op is not Op.OPTIMIZER_STEP:
             raise VerifyError(f"rank {r}: the program must end with OPTIMIZER_STEP")
+
+
+def _message(
+    r: int, pos: int, instr: Instr, compiled: Compiled, available: list[set], bwd: Op
+) -> tuple[Instr, tuple[int, tuple]]:
+    """A send or receive: the peer's counterpart, and (receiving rank, node it delivers)."""
+    bad = _message_peer_error(instr, compiled)
+    if bad:
+        raise VerifyError(f"{_at(r, pos, instr)}: {bad}")
+    other = _counterpart(instr, r, compiled)
+    send, sender, receiver = (instr, r, instr.peer) if instr.op in SEND_OPS else (other, instr.peer, r)
+    payload = (Op.F if send.op is Op.SEND_ACT else bwd, send.stage, send.mb)
+    if sender == r and payload not in available[r]:
+        raise VerifyError(f"{_at(r, pos, instr)}: sends what is not computed yet")
+    return other, (receiver, payload)
+
+
+def _sync_rendezvous(
+    r: int, pos: int, instr: Instr, layout: Layout, available: list[set], split: bool
+) -> tuple[Instr, None]:
+    """A replica all-reduce: the peer's counterpart, once this side's gradients are final."""
+    bad = replicas.sync_error(layout, instr, r)
+    if bad:
+        raise VerifyError(f"{_at(r, pos, instr)}: {bad}")
+    for node in replicas.backward_nodes(layout, instr.stage, split):
+        if node not in available[r]:
+            raise VerifyError(
+                f"{_at(r, pos, instr)}: {node[0].value} s={node[1]} mb={node[2]} has not run "
+                "yet, so the gradients are not final"
+            )
+    return replicas.counterpart(layout, instr, r), None
 
 
 def check_memory(

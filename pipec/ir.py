@@ -51,7 +51,18 @@ class Op(enum.Enum):
     RETURN = "RETURN"
     """Send the held stash of (stage, mb) back to the evictor `peer` and free it here."""
     ALLREDUCE_GRADS = "ALLREDUCE_GRADS"
-    """All-reduce the gradients of `stage` with its replica on `peer` (or the DP group)."""
+    """All-reduce the gradients of `stage` with its replica on `peer` (or the DP group).
+
+    Roughly: issue the collective (asynchronously) once the stage's last backward is done;
+    OPTIMIZER_STEP waits for it. Both ranks of a replica pair issue their pair's collectives in
+    the same order, so even a blocking collective cannot deadlock.
+    """
+    OVERLAP = "OVERLAP"
+    """The next two compute instructions, a forward and a backward, may run concurrently.
+
+    DualPipe's F&B pair: the runtime may interleave the forward's communication with the
+    backward's compute (and vice versa). Without the hint it runs them one after the other.
+    """
     OPTIMIZER_STEP = "OPTIMIZER_STEP"
     """Apply the optimizer to every parameter this rank holds, then zero the gradients."""
 
@@ -159,6 +170,19 @@ class Layout:
 
     def stages_of_rank(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_rank) if r == rank)
+
+    @cached_property
+    def replica(self) -> dict[int, int]:
+        """stage -> the other stage computing the same chunk (bidirectional schedules hold two
+        replicas of the model); stages of a chunk held once are absent."""
+        by_chunk: dict[int, list[int]] = {}
+        for s, c in enumerate(self.stage_chunk):
+            by_chunk.setdefault(c, []).append(s)
+        return {a: b for pair in by_chunk.values() if len(pair) == 2 for a, b in (pair, pair[::-1])}
+
+    def params_of_rank(self, rank: int) -> float:
+        """Parameter memory a rank holds, in units of one rank's share of one model copy."""
+        return len(self.stages_of_rank(rank)) * self.stash_share
 
     def to_json(self) -> dict:
         return {
