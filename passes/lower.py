@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from passes.costs import CostModel
 from passes.simulate import play, uses_recompute
 from pipec.ir import (
-    COMPUTE_OPS, Compiled, Instr, Op, PipecError, Program, Schedule, dependencies,
+    COMPUTE_OPS, Compiled, Instr, Op, PipecError, Program, Schedule, dependencies, fused_backwards,
 )
 
 Node = tuple[Op, int, int]
@@ -38,10 +38,11 @@ def messages(schedule: Schedule, costs: CostModel) -> list[Message]:
     times, done_order = play(layout, schedule.orders, costs)
     seq = {node: k for k, node in enumerate(done_order)}
     recompute = uses_recompute(schedule.orders)
+    fused = fused_backwards(schedule.orders)
     rank_of = layout.stage_rank
     out: list[Message] = []
     for node in done_order:
-        for dep in dependencies(layout, node, recompute):
+        for dep in dependencies(layout, node, recompute, fused):
             if rank_of[dep[1]] != rank_of[node[1]]:
                 send, recv = _send_recv(dep, node, rank_of)
                 ends = [(rank_of[dep[1]], ("send", send, dep)), (rank_of[node[1]], ("recv", recv, node))]

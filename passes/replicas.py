@@ -11,7 +11,7 @@ the schedules, the verifier and the simulator share about them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from passes.costs import CostModel
 from pipec.ir import COMPUTE_OPS, Instr, Layout, Op, PipecError
@@ -59,11 +59,15 @@ def eager_syncs(layout: Layout, orders: Sequence[Sequence[Instr]]) -> tuple[tupl
     return tuple(out)
 
 
-def backward_nodes(layout: Layout, stage: int, split_bw: bool) -> list[Node]:
-    """Every backward op of `stage`: the gradients are final once all of them have run."""
-    kinds = (Op.B, Op.W) if split_bw else (Op.BW,)
+def backward_nodes(layout: Layout, stage: int, fused: Collection[tuple[int, int]]) -> list[Node]:
+    """Every backward op of `stage` (BW where (stage, mb) is in `fused`, else B and W): the
+    gradients are final once all of them have run."""
     mbs = layout.pipelines[layout.pipeline_of_stage(stage)].mbs
-    return [(k, stage, i) for i in mbs for k in kinds]
+    return [
+        (k, stage, i)
+        for i in mbs
+        for k in ((Op.BW,) if (stage, i) in fused else (Op.B, Op.W))
+    ]
 
 
 def sync_error(layout: Layout, instr: Instr, rank: int) -> str | None:

@@ -2,7 +2,10 @@
 
 Semantics are the runtime's: sends are non-blocking and receives are posted early, so a
 compute op starts when its rank is free and every input has arrived (the producer's end, plus
-`comm` when the producer is on another rank). That is the longest path over the DAG of program
+`comm` when the producer is on another rank). An OVERLAP pair (DualPipe's F&B) starts as one
+unit, once the inputs of both its forward and its backward have arrived; it then costs what
+its two ops cost one after the other (no speed-up from overlapping is assumed), and each
+op's output leaves when that op ends. That is the longest path over the DAG of program
 order and data edges; it is computed with one worklist pass, O(number of instructions), so a
 p=64, m=1024 schedule simulates in well under a second.
 """
@@ -10,11 +13,12 @@ p=64, m=1024 schedule simulates in well under a second.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from dataclasses import dataclass
 
 from passes.costs import CostModel
 from passes.replicas import sync_times
-from pipec.ir import COMPUTE_OPS, Instr, Layout, Op, PipecError, dependencies
+from pipec.ir import COMPUTE_OPS, Instr, Layout, Op, PipecError, dependencies, fused_backwards
 
 Node = tuple[Op, int, int]
 
@@ -85,6 +89,20 @@ def uses_recompute(programs: Sequence[Sequence[Instr]]) -> bool:
     return any(i.op is Op.RECOMPUTE for prog in programs for i in prog)
 
 
+def overlap_starts(program: Sequence[Instr]) -> set[int]:
+    """Indices, counting compute ops only, of the first op of each OVERLAP pair."""
+    starts, k, marked = set(), 0, False
+    for instr in program:
+        if instr.op is Op.OVERLAP:
+            marked = True
+        elif instr.op in COMPUTE_OPS:
+            if marked:
+                starts.add(k)
+            marked = False
+            k += 1
+    return starts
+
+
 def play(
     layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostModel
 ) -> tuple[dict[Node, tuple[float, float]], list[Node]]:
@@ -95,8 +113,10 @@ def play(
     A program that can never finish (a cycle) is a PipecError naming each stuck rank.
     """
     recompute = uses_recompute(programs)
+    fused = fused_backwards(programs)
     rank_of = layout.stage_rank
     compute = [[i for i in prog if i.op in COMPUTE_OPS] for prog in programs]
+    paired = [overlap_starts(prog) for prog in programs]
     times: dict[Node, tuple[float, float]] = {}
     done_order: list[Node] = []
     waiting: dict[Node, list[int]] = {}
@@ -112,7 +132,11 @@ def play(
             node = (instr.op, instr.stage, instr.mb)
             start = t
             blocked = None
-            for dep in dependencies(layout, node, recompute):
+            deps = dependencies(layout, node, recompute, fused)
+            if k in paired[r]:  # the pair starts once the inputs of both ops are in
+                second = order[k + 1]
+                deps = chain(deps, dependencies(layout, (second.op, second.stage, second.mb), recompute, fused))
+            for dep in deps:
                 finished = times.get(dep)
                 if finished is None:
                     blocked = dep

@@ -23,6 +23,7 @@ from passes.costs import CostModel
 from passes.simulate import uses_recompute
 from pipec.ir import (
     COMPUTE_OPS, RECV_OPS, SEND_OPS, Compiled, Instr, Layout, Op, PipecError, dependencies,
+    fused_backwards,
 )
 
 
@@ -55,12 +56,14 @@ def check_coverage(compiled: Compiled) -> None:
     layout, programs = compiled.layout, compiled.programs
     if len(programs) != layout.p:
         raise VerifyError(f"{len(programs)} programs for a {layout.p}-rank layout")
-    split = any(i.op in (Op.B, Op.W) for prog in programs for i in prog)
-    kinds = (Op.F, Op.B, Op.W) if split else (Op.F, Op.BW)
-    if uses_recompute(programs):
-        kinds += (Op.RECOMPUTE,)
+    fused = _fused(compiled)
+    extra = (Op.RECOMPUTE,) if uses_recompute(programs) else ()
     expected = {
-        (k, s, i) for pl in layout.pipelines for s in pl.stages for i in pl.mbs for k in kinds
+        (k, s, i)
+        for pl in layout.pipelines
+        for s in pl.stages
+        for i in pl.mbs
+        for k in (Op.F, *extra, *((Op.BW,) if (s, i) in fused else (Op.B, Op.W)))
     }
     seen: set = set()
     for r, prog in enumerate(programs):
@@ -86,9 +89,32 @@ def check_coverage(compiled: Compiled) -> None:
             f"rank {layout.stage_rank[s]}: {k.value} s={s} mb={i} is missing "
             f"({len(missing)} work-graph ops missing in all)"
         )
-    bad = replicas.coverage_error(layout, programs)
+    bad = replicas.coverage_error(layout, programs) or _overlap_error(programs)
     if bad:
         raise VerifyError(bad)
+
+
+def _overlap_error(programs: Sequence[Sequence[Instr]]) -> str | None:
+    """Why an OVERLAP marker is not followed by a forward and then a backward, if one is not."""
+    for r, prog in enumerate(programs):
+        for pos, instr in enumerate(prog):
+            if instr.op is Op.OVERLAP:
+                pair = [i.op for i in prog[pos + 1 :] if i.op in COMPUTE_OPS][:2]
+                if pair not in ([Op.F, Op.B], [Op.F, Op.BW]):
+                    return f"{_at(r, pos, instr)}: must precede a forward and then a backward"
+    return None
+
+
+def _fused(compiled: Compiled) -> frozenset[tuple[int, int]]:
+    """(stage, mb) whose backward is one fused BW: all, none, or DualPipe's mix."""
+    programs = compiled.programs
+    mixed = fused_backwards(programs)
+    if mixed is not None:
+        return mixed
+    if any(i.op in (Op.B, Op.W) for prog in programs for i in prog):
+        return frozenset()
+    layout = compiled.layout
+    return frozenset((s, i) for pl in layout.pipelines for s in pl.stages for i in pl.mbs)
 
 
 def _counterpart(instr: Instr, rank: int, compiled: Compiled) -> Instr:
@@ -123,8 +149,7 @@ def check_execution(compiled: Compiled) -> None:
     layout, programs = compiled.layout, compiled.programs
     recompute = uses_recompute(programs)
     rank_of = layout.stage_rank
-    bwd = Op.B if any(i.op is Op.B for prog in programs for i in prog) else Op.BW
-    split = bwd is Op.B
+    fused = _fused(compiled)
     n = len(programs)
     available: list[set] = [set() for _ in range(n)]  # nodes computed here or received here
     pos = [0] * n
@@ -133,7 +158,7 @@ def check_execution(compiled: Compiled) -> None:
 
     def step_compute(r: int, instr: Instr) -> None:
         node = (instr.op, instr.stage, instr.mb)
-        for dep in dependencies(layout, node, recompute):
+        for dep in dependencies(layout, node, recompute, fused):
             if dep not in available[r]:
                 what = "computed" if rank_of[dep[1]] == r else f"received from rank {rank_of[dep[1]]}"
                 raise VerifyError(
@@ -152,9 +177,9 @@ def check_execution(compiled: Compiled) -> None:
                 step_compute(r, instr)
             elif instr.op in SEND_OPS or instr.op in RECV_OPS or instr.op is Op.ALLREDUCE_GRADS:
                 if instr.op is Op.ALLREDUCE_GRADS:
-                    other, delivery = _sync_rendezvous(r, pos[r], instr, layout, available, split)
+                    other, delivery = _sync_rendezvous(r, pos[r], instr, layout, available, fused)
                 else:
-                    other, delivery = _message(r, pos[r], instr, compiled, available, bwd)
+                    other, delivery = _message(r, pos[r], instr, compiled, available, fused)
                 q = instr.peer
                 if pos[q] >= len(programs[q]) or programs[q][pos[q]] != other:
                     waiters[q].add(r)  # blocked until the peer reaches the counterpart
@@ -182,7 +207,7 @@ def check_execution(compiled: Compiled) -> None:
 
 
 def _message(
-    r: int, pos: int, instr: Instr, compiled: Compiled, available: list[set], bwd: Op
+    r: int, pos: int, instr: Instr, compiled: Compiled, available: list[set], fused: frozenset
 ) -> tuple[Instr, tuple[int, tuple]]:
     """A send or receive: the peer's counterpart, and (receiving rank, node it delivers)."""
     bad = _message_peer_error(instr, compiled)
@@ -190,6 +215,7 @@ def _message(
         raise VerifyError(f"{_at(r, pos, instr)}: {bad}")
     other = _counterpart(instr, r, compiled)
     send, sender, receiver = (instr, r, instr.peer) if instr.op in SEND_OPS else (other, instr.peer, r)
+    bwd = Op.BW if (send.stage, send.mb) in fused else Op.B
     payload = (Op.F if send.op is Op.SEND_ACT else bwd, send.stage, send.mb)
     if sender == r and payload not in available[r]:
         raise VerifyError(f"{_at(r, pos, instr)}: sends what is not computed yet")
@@ -197,13 +223,13 @@ def _message(
 
 
 def _sync_rendezvous(
-    r: int, pos: int, instr: Instr, layout: Layout, available: list[set], split: bool
+    r: int, pos: int, instr: Instr, layout: Layout, available: list[set], fused: frozenset
 ) -> tuple[Instr, None]:
     """A replica all-reduce: the peer's counterpart, once this side's gradients are final."""
     bad = replicas.sync_error(layout, instr, r)
     if bad:
         raise VerifyError(f"{_at(r, pos, instr)}: {bad}")
-    for node in replicas.backward_nodes(layout, instr.stage, split):
+    for node in replicas.backward_nodes(layout, instr.stage, fused):
         if node not in available[r]:
             raise VerifyError(
                 f"{_at(r, pos, instr)}: {node[0].value} s={node[1]} mb={node[2]} has not run "

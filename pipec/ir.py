@@ -8,7 +8,7 @@ Everything here is a frozen value so results compare with `==` (golden tests, ro
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -242,14 +242,30 @@ class Compiled:
         return len(self.programs)
 
 
+def fused_backwards(programs: Sequence[Sequence[Instr]]) -> frozenset[tuple[int, int]] | None:
+    """(stage, mb) of every fused BW when the programs split other backwards into B and W.
+
+    DualPipe mixes them: a full backward is one BW, a zero-bubble one is B then W. None when
+    every backward has the same form, the common case.
+    """
+    fused = frozenset((i.stage, i.mb) for prog in programs for i in prog if i.op is Op.BW)
+    if fused and any(i.op is Op.B for prog in programs for i in prog):
+        return fused
+    return None
+
+
 def dependencies(
-    layout: Layout, node: tuple[Op, int, int], recompute: bool = False
+    layout: Layout,
+    node: tuple[Op, int, int],
+    recompute: bool = False,
+    fused: frozenset[tuple[int, int]] | None = None,
 ) -> Iterator[tuple[Op, int, int]]:
     """Predecessors of compute node (op, stage, mb) in the work graph (DESIGN.md's edges).
 
     F(s,i)<-F(prev,i); B(last,i)<-F(last,i); B(s,i)<-B(next,i), F(s,i); W(s,i)<-B(s,i).
-    A fused BW follows the same edges as B (its upstream backward is a BW too); with
-    recompute, the backward also waits for RECOMPUTE(s,i), which waits for F(s,i).
+    A fused BW follows the same edges as B (its upstream backward is a BW too, unless
+    `fused` — see fused_backwards — says which backwards are fused); with recompute, the
+    backward also waits for RECOMPUTE(s,i), which waits for F(s,i).
     """
     op, s, i = node
     if op is Op.F:
@@ -261,7 +277,7 @@ def dependencies(
     elif op in (Op.B, Op.BW):
         nxt = layout.next_stage(s)
         if nxt is not None:
-            yield (op, nxt, i)
+            yield (op if fused is None else Op.BW if (nxt, i) in fused else Op.B, nxt, i)
         yield (Op.F, s, i)
         if recompute:
             yield (Op.RECOMPUTE, s, i)
