@@ -14,6 +14,7 @@ rank), so both ranks of a pair issue their collectives in one order.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 
 from passes.costs import CostModel
@@ -112,6 +113,12 @@ def _merge(order: Sequence[Instr], msgs: Sequence[Entry]) -> Program:
     for j, (kind, _, node) in enumerate(msgs):
         if kind == "recv":
             need[index[node]] = j
+    # An OVERLAP pair starts as one unit: the inputs of both its ops come before the marker.
+    computes = sorted(index.values())[1:]  # without the None entry's -1
+    for k, instr in enumerate(order):
+        if instr.op is Op.OVERLAP:
+            first = bisect_right(computes, k)
+            need[k] = max(need[j] for j in computes[first : first + 2])
     out: list[Instr] = []
     ci = mi = 0
     while ci < len(order) or mi < len(msgs):
