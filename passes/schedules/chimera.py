@@ -50,5 +50,5 @@ def chimera(req: Request) -> Schedule:
             return unit, k + j if k < c else k + 2 * j
         return unit, p + 2 * j + (p - 1 - k)
 
-    orders = list_schedule(layout, slot, lambda node: 1 if node[0] is Op.F else 2)
+    orders = list_schedule(layout, slot, lambda node: 1)
     return Schedule("chimera", p, m, 1, layout, syncs_at_end(layout, orders))
