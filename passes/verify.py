@@ -96,12 +96,22 @@ def check_coverage(compiled: Compiled) -> None:
 
 def _overlap_error(programs: Sequence[Sequence[Instr]]) -> str | None:
     """Why an OVERLAP marker is not followed by a forward and then a backward, if one is not."""
+    why = "must precede a forward and then a backward"
     for r, prog in enumerate(programs):
+        marker, pair = None, []
         for pos, instr in enumerate(prog):
             if instr.op is Op.OVERLAP:
-                pair = [i.op for i in prog[pos + 1 :] if i.op in COMPUTE_OPS][:2]
-                if pair not in ([Op.F, Op.B], [Op.F, Op.BW]):
-                    return f"{_at(r, pos, instr)}: must precede a forward and then a backward"
+                if marker is not None:
+                    return f"{_at(r, marker, prog[marker])}: {why}"
+                marker, pair = pos, []
+            elif marker is not None and instr.op in COMPUTE_OPS:
+                pair.append(instr.op)
+                if len(pair) == 2:
+                    if pair not in ([Op.F, Op.B], [Op.F, Op.BW]):
+                        return f"{_at(r, marker, prog[marker])}: {why}"
+                    marker = None
+        if marker is not None:
+            return f"{_at(r, marker, prog[marker])}: {why}"
     return None
 
 
