@@ -88,3 +88,13 @@ def test_eager_sync_hides_the_allreduce_that_chimera_pays_at_the_end():
             assert exposed == 2 and max(s.sync for s in slow.ranks) == 2
         else:  # four chunks per pair, most issued while compute remains
             assert exposed < 4 and max(s.sync for s in slow.ranks) < 4
+
+
+@pytest.mark.parametrize("p, m", [(4, 16), (6, 12), (8, 32)])
+def test_bitpipe_warmup_and_memory(p, m):
+    """Rank r runs 2p + min(r, p-1-r) chunk forwards before its first backward (the paper's
+    order: p/2 fewer) and peaks below interleaved 1F1B's activations at equal p, m."""
+    orders = run("bitpipe", p, m).compiled.programs
+    warm = [sum(i.op is Op.F for i in prog[: prog.index(next(i for i in prog if i.op is Op.BW))]) for prog in orders]
+    assert warm == [2 * p + min(r, p - 1 - r) for r in range(p)]
+    assert max(peaks(run("bitpipe", p, m))) < max(peaks(run("interleaved", p, m, 2)))

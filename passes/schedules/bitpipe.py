@@ -11,10 +11,11 @@ Order: as for Chimera, list scheduling in slots (a forward 1, a fused backward 2
 by (unit, slot), a unit being p micro-batches (p/2 each way). Within a unit, micro-batch j of
 either direction has its forward at V-position k in slot 2j + k (successive micro-batches two
 slots apart: the other direction's forward takes the slot between) and its backward at
-V-position k in slot 2·2p + 2(2p-1-k) + 4j (the first micro-batch's backward runs straight
-back up the V). At p=4, m=4 this reproduces the paper's figure: every rank busy 24 of 28
-units; later units fill the gaps of earlier ones, which warms rank r up with 2p+min(r,p-1-r)
-chunk forwards (the paper's own order warms up p/2 fewer).
+V-position k in slot 2p + 2(2p-1-k) + 4j: micro-batch 0 runs straight down the V and straight
+back up, later ones follow four slots apart (two backwards, one per direction). At p=4, m=4
+this reproduces the paper's figure: every rank busy 24 of 28 units. Later units fill the gaps
+of earlier ones, which warms rank r up with 2p+min(r,p-1-r) chunk forwards where the paper's
+own order warms up p/2 fewer.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def bitpipe(req: Request) -> Schedule:
         unit, j = divmod(mb % (m // 2), p // 2)
         if op is Op.F:
             return unit, 2 * j + k
-        return unit, 2 * n + 2 * (n - 1 - k) + 4 * j
+        return unit, n + 2 * (n - 1 - k) + 4 * j
 
     orders = list_schedule(layout, slot, lambda node: 1 if node[0] is Op.F else 2)
     return Schedule("bitpipe", p, m, 2, layout, eager_syncs(layout, orders))
