@@ -9,6 +9,8 @@ share of the model: F adds `mem_F`, W adds `mem_W` (a release, so negative) and 
 that a micro-batch nets zero; with recompute, F keeps only `mem_input` and RECOMPUTE adds back
 what is missing before the backward. With a model, `stash_bytes` gives one micro-batch's stash
 of each chunk in bytes (measured by the frontend), so memory is also reported in bytes.
+`allreduce` is the time of one chunk's gradient all-reduce between the two ranks that hold
+its replicas.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, replace
 from passes.topology import Topology
 from pipec.ir import Instr, Layout, Op, PipecError
 
-_ITEM = re.compile(r"^(F|B|W|comm)=([-+0-9.eE:]+)$")
+_ITEM = re.compile(r"^(F|B|W|comm|allreduce)=([-+0-9.eE:]+)$")
 _MEM_ITEM = re.compile(r"^(F|W|in)=([-+0-9.eE]+)$")
 
 
@@ -38,6 +40,7 @@ class CostModel:
     stash_bytes: tuple[float, ...] = ()
     """Bytes of one micro-batch's stash per model chunk; empty without a model."""
     topology: Topology | None = None
+    allreduce: float = 0.0
 
     def per_chunk(self, kind: str, chunk: int) -> float:
         values = getattr(self, kind)
@@ -107,6 +110,8 @@ class CostModel:
             out["stash_bytes"] = list(self.stash_bytes)
         if self.topology is not None:
             out["topology"] = self.topology.to_json()
+        if self.allreduce:
+            out["allreduce"] = self.allreduce
         return out
 
     @staticmethod
@@ -115,6 +120,7 @@ class CostModel:
         return CostModel(
             tuple(d["F"]), tuple(d["B"]), tuple(d["W"]), d["comm"],
             d["mem_F"], d["mem_W"], d["mem_input"], tuple(d.get("stash_bytes", ())), topology,
+            d.get("allreduce", 0.0),
         )
 
 
@@ -136,11 +142,11 @@ def parse_costs(text: str, base: CostModel | None = None) -> CostModel:
         if not m:
             raise PipecError(
                 f"--costs: cannot read '{item}'; expected KEY=VALUE with KEY in F, B, W, comm, "
-                "e.g. --costs F=1,B=2,W=1,comm=0.1"
+                "allreduce, e.g. --costs F=1,B=2,W=1,comm=0.1"
             )
         key, value = m.groups()
-        if key == "comm":
-            fields["comm"] = _number(value, "--costs comm")
+        if key in ("comm", "allreduce"):
+            fields[key] = _number(value, f"--costs {key}")
         else:
             fields[key] = tuple(_number(v, f"--costs {key}") for v in value.split(":"))
     for key, value in fields.items():

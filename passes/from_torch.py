@@ -5,8 +5,8 @@ REDUCE_GRAD are dropped, because pipec lowers its own messages from the compute 
 OVERLAP_F_B runs its sub-actions in order (as torch's runtime does). Guarantees a schedule with
 one pipeline, stages 0..S-1 in a chain, each stage on the one rank that runs it (so looped and
 V placements are inferred, not assumed) and micro-batches 0..m-1. torch's F, I, W become F, B, W;
-its full backward B becomes a fused BW, or, in a schedule that also splits backwards (DualPipeV
-mixes both; pipec's work graph does not), a B immediately followed by its W.
+its full backward B becomes a fused BW, also in a schedule that splits other backwards (DualPipeV
+mixes both; pipec's work graph holds the mix, see `pipec.ir.fused_backwards`).
 Refuses, with one line, a stage on two ranks, a missing stage, ranks holding different numbers
 of stages, and forwards that do not cover micro-batches 0..m-1 once per stage.
 """
@@ -18,8 +18,7 @@ from collections.abc import Sequence
 from pipec.ir import Instr, Op, PipecError, Schedule, single_pipeline
 from pipec.torch_csv import COMPUTE_TYPES, Action, Cell
 
-FUSED = {"F": (Op.F,), "B": (Op.BW,)}
-SPLIT = {"F": (Op.F,), "I": (Op.B,), "W": (Op.W,), "B": (Op.B, Op.W)}
+OPS = {"F": Op.F, "I": Op.B, "W": Op.W, "B": Op.BW}
 
 
 def compute_actions(rows: Sequence[Sequence[Cell]]) -> list[list[Action]]:
@@ -76,8 +75,5 @@ def schedule_from_torch(name: str, rows: Sequence[Sequence[Cell]], source: str) 
     stage_rank = _stage_ranks(actions, source)
     p, n_stages = len(actions), len(stage_rank)
     m = _microbatches(actions, n_stages, source)
-    ops = SPLIT if any(a.type in ("I", "W") for row in actions for a in row) else FUSED
-    orders = tuple(
-        tuple(Instr(op, a.stage, a.mb) for a in row for op in ops[a.type]) for row in actions
-    )
+    orders = tuple(tuple(Instr(OPS[a.type], a.stage, a.mb) for a in row) for row in actions)
     return Schedule(name, p, m, n_stages // p, single_pipeline(p, m, stage_rank), orders)

@@ -6,34 +6,75 @@ rank, or blocking point-to-point deadlocks. We key each message by its simulated
 (ties broken by the simulator's causal completion order) and put every rank's messages in key
 order; keys respect causality, so every rank can follow that one global order, and the message
 with the smallest outstanding key always has both ends ready: no deadlock.
+
+A replica all-reduce (ALLREDUCE_GRADS in a schedule's order) joins the same global order as a
+two-ended message keyed by the later of its two triggers (the compute op before it on each
+rank), so both ranks of a pair issue their collectives in one order.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 
 from passes.costs import CostModel
 from passes.simulate import Played, play, uses_recompute
-from pipec.ir import COMPUTE_OPS, Compiled, Instr, Op, Program, Schedule, dependencies
+from pipec.ir import (
+    COMPUTE_OPS, Compiled, Instr, Op, PipecError, Program, Schedule, dependencies, fused_backwards,
+)
 
 Node = tuple[Op, int, int]
+Entry = tuple[str, Instr, Node | None]
+"""One rank's part in a message: ("send" | "recv" | "sync", instruction, compute node it
+follows (send, sync) or precedes (recv); None for a sync with no compute before it)."""
 
 
-def messages(schedule: Schedule, played: Played) -> list[tuple[Node, Node]]:
-    """Every cross-rank data edge (producer, consumer), in global message order."""
+Message = tuple[tuple, list[tuple[int, Entry]]]
+"""A message's global key and its entries, one per rank that takes part."""
+
+
+def messages(schedule: Schedule, played: Played) -> list[Message]:
+    """Every cross-rank data edge and replica all-reduce, in global message order."""
     layout = schedule.layout
     times, done_order = played
     seq = {node: k for k, node in enumerate(done_order)}
     recompute = uses_recompute(schedule.orders)
+    fused = fused_backwards(schedule.orders)
     rank_of = layout.stage_rank
-    edges = [
-        (dep, node)
-        for node in done_order
-        for dep in dependencies(layout, node, recompute)
-        if rank_of[dep[1]] != rank_of[node[1]]
-    ]
-    edges.sort(key=lambda e: (times[e[0]][1], seq[e[0]], seq[e[1]]))
-    return edges
+    out: list[Message] = []
+    for node in done_order:
+        for dep in dependencies(layout, node, recompute, fused):
+            if rank_of[dep[1]] != rank_of[node[1]]:
+                send, recv = _send_recv(dep, node, rank_of)
+                ends = [(rank_of[dep[1]], ("send", send, dep)), (rank_of[node[1]], ("recv", recv, node))]
+                out.append(((times[dep][1], seq[dep], seq[node]), ends))
+    triggers = _sync_triggers(schedule)
+    for s, (instr, trigger) in triggers.items():
+        r = layout.replica[s]
+        if r not in triggers:
+            raise PipecError(f"{schedule.name}: stage {s} all-reduces with stage {r}, which does not")
+        if s < r:
+            other, other_trigger = triggers[r]
+            late = max((times[t][1], seq[t]) if t else (0.0, -1) for t in (trigger, other_trigger))
+            # After every data message of the same trigger; the chunk breaks ties between pairs.
+            key = (*late, len(seq) + layout.stage_chunk[s])
+            ends = [(rank_of[s], ("sync", instr, trigger)), (rank_of[r], ("sync", other, other_trigger))]
+            out.append((key, ends))
+    out.sort(key=lambda message: message[0])
+    return out
+
+
+def _sync_triggers(schedule: Schedule) -> dict[int, tuple[Instr, Node | None]]:
+    """stage -> (its ALLREDUCE_GRADS, the compute op before it in its rank's order)."""
+    found = {}
+    for order in schedule.orders:
+        last = None
+        for instr in order:
+            if instr.op in COMPUTE_OPS:
+                last = (instr.op, instr.stage, instr.mb)
+            elif instr.op is Op.ALLREDUCE_GRADS:
+                found[instr.stage] = (instr, last)
+    return found
 
 
 def _send_recv(producer: Node, consumer: Node, rank_of: Sequence[int]) -> tuple[Instr, Instr]:
@@ -52,34 +93,39 @@ def lower(schedule: Schedule, costs: CostModel, played: Played | None = None) ->
     it, or earlier only when a later message must wait behind it. `played` reuses a `play`
     of the schedule under `costs`.
     """
-    layout = schedule.layout
-    rank_of = layout.stage_rank
-    per_rank: list[list[tuple[str, Instr, Node]]] = [[] for _ in schedule.orders]
-    for producer, consumer in messages(schedule, played or play(layout, schedule.orders, costs)):
-        send, recv = _send_recv(producer, consumer, rank_of)
-        per_rank[rank_of[producer[1]]].append(("send", send, producer))
-        per_rank[rank_of[consumer[1]]].append(("recv", recv, consumer))
+    per_rank: list[list[Entry]] = [[] for _ in schedule.orders]
+    for _, ends in messages(schedule, played or play(schedule.layout, schedule.orders, costs)):
+        for rank, entry in ends:
+            per_rank[rank].append(entry)
     programs = tuple(
-        _merge(order, msgs) + (Instr(Op.OPTIMIZER_STEP),)
+        _merge([i for i in order if i.op is not Op.ALLREDUCE_GRADS], msgs)
+        + (Instr(Op.OPTIMIZER_STEP),)
         for order, msgs in zip(schedule.orders, per_rank)
     )
-    return Compiled(schedule.name, schedule.p, schedule.m, schedule.v, layout, programs)
+    return Compiled(schedule.name, schedule.p, schedule.m, schedule.v, schedule.layout, programs)
 
 
-def _merge(order: Sequence[Instr], msgs: Sequence[tuple[str, Instr, Node]]) -> Program:
+def _merge(order: Sequence[Instr], msgs: Sequence[Entry]) -> Program:
     """Interleave one rank's compute order with its messages (already in global order)."""
-    index = {(i.op, i.stage, i.mb): k for k, i in enumerate(order) if i.op in COMPUTE_OPS}
+    index: dict[Node | None, int] = {None: -1}  # a sync with no compute before it: at once
+    index.update(((i.op, i.stage, i.mb), k) for k, i in enumerate(order) if i.op in COMPUTE_OPS)
     # need[k]: the last message position that compute k must wait behind (its receives).
     need = [-1] * len(order)
     for j, (kind, _, node) in enumerate(msgs):
         if kind == "recv":
             need[index[node]] = j
+    # An OVERLAP pair starts as one unit: the inputs of both its ops come before the marker.
+    computes = sorted(index.values())[1:]  # without the None entry's -1
+    for k, instr in enumerate(order):
+        if instr.op is Op.OVERLAP:
+            first = bisect_right(computes, k)
+            need[k] = max(need[j] for j in computes[first : first + 2])
     out: list[Instr] = []
     ci = mi = 0
     while ci < len(order) or mi < len(msgs):
         if mi < len(msgs):
             kind, instr, node = msgs[mi]
-            if (kind == "send" and index[node] < ci) or (
+            if (kind != "recv" and index[node] < ci) or (
                 kind == "recv" and (ci == len(order) or need[ci] >= mi)
             ):
                 out.append(instr)

@@ -3,21 +3,35 @@
 Semantics are the runtime's: sends are non-blocking and receives are posted early, so a
 compute op starts when its rank is free and every input has arrived (the producer's end, plus
 the transfer time when the producer is on another rank: `comm`, or the link's time under a
-topology). That is the longest path over the DAG of program order and data edges; it is
-computed with one worklist pass, O(number of instructions), so a p=64, m=1024 schedule
-simulates in well under a second. Stash moves (EVICT/ACCEPT, RETURN/LOAD) follow
-`passes/transfers.py`.
+topology). An OVERLAP pair (DualPipe's F&B) starts as one unit, once the inputs of both its
+forward and its backward have arrived; it then costs what its two ops cost one after the
+other (no speed-up from overlapping is assumed), and each op's output leaves when that op
+ends. That is the longest path over the DAG of program order and data edges; it is computed
+with one worklist pass, O(number of instructions). Stash moves (EVICT/ACCEPT, RETURN/LOAD)
+follow `passes/transfers.py`; replica all-reduces `passes/replicas.py`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from dataclasses import dataclass
 from operator import attrgetter
 
 from passes.costs import CostModel
+from passes.replicas import sync_times
 from passes.transfers import Transfer, Transfers
-from pipec.ir import COMPUTE_OPS, MEMORY_OPS, Instr, Layout, Op, PipecError, dependencies
+from pipec.ir import (
+    COMPUTE_OPS,
+    MEMORY_OPS,
+    Instr,
+    Layout,
+    Op,
+    PipecError,
+    dependencies,
+    dependency_memo,
+    fused_backwards,
+)
 
 Node = tuple[Op, int, int]
 
@@ -33,9 +47,15 @@ class Slot:
 
 @dataclass(frozen=True)
 class RankStats:
+    """`params`: parameter memory in units of one rank's share of one model copy (2 where a
+    rank holds two replicas); `sync`: how long the rank's replica all-reduces run past its
+    last compute op (the part of the gradient sync that compute did not hide)."""
+
     busy: float
     span: float
     peak_activations: float
+    params: float
+    sync: float
     peak_stash_bytes: float | None = None
     """The peak in bytes when the cost model has per-chunk stash bytes (a model was given)."""
 
@@ -46,7 +66,8 @@ class SimResult:
 
     `bubble` = 1 - sum(busy) / (p * makespan): what an iteration costs in wall time.
     `span_bubble` = 1 - max(busy) / max(span), span = first start to last end on a rank:
-    the zero-bubble papers' metric.
+    the zero-bubble papers' metric. The makespan includes replica all-reduces that outlast
+    the compute; spans do not.
     """
 
     makespan: float
@@ -73,6 +94,8 @@ class SimResult:
                     "busy": _round(s.busy),
                     "span": _round(s.span),
                     "peak_activations": _round(s.peak_activations),
+                    "params": _round(s.params),
+                    "sync": _round(s.sync),
                 }
                 | ({} if s.peak_stash_bytes is None else {"peak_stash_bytes": s.peak_stash_bytes})
                 for r, s in enumerate(self.ranks)
@@ -94,6 +117,21 @@ def uses_recompute(programs: Sequence[Sequence[Instr]]) -> bool:
 Played = tuple[dict[Node, tuple[float, float]], list[Node]]
 
 
+def overlap_starts(program: Sequence[Instr]) -> set[int]:
+    """Indices of the first op of each OVERLAP pair, counting the ops `play` steps through
+    (compute and stash moves)."""
+    starts, k, marked = set(), 0, False
+    for instr in program:
+        if instr.op is Op.OVERLAP:
+            marked = True
+        elif instr.op in COMPUTE_OPS or instr.op in MEMORY_OPS:
+            if marked:
+                starts.add(k)
+            marked = False
+            k += 1
+    return starts
+
+
 def play(
     layout: Layout,
     programs: Sequence[Sequence[Instr]],
@@ -108,8 +146,10 @@ def play(
     Stash transfers are recorded in `transfers` when one is given.
     """
     recompute = uses_recompute(programs)
+    fused = fused_backwards(programs)
     rank_of = layout.stage_rank
     compute = [[i for i in prog if i.op in COMPUTE_OPS or i.op in MEMORY_OPS] for prog in programs]
+    paired = [overlap_starts(prog) for prog in programs]
     times: dict[Node, tuple[float, float]] = {}
     done_order: list[Node] = []
     waiting: dict[object, list[int]] = {}
@@ -120,7 +160,7 @@ def play(
     msg = [[costs.transfer_time(a, b, size) for b in range(layout.p)] for a in range(layout.p)]
     moves = transfers if transfers is not None else Transfers(layout, costs, recompute)
     durations: dict[tuple[Op, int], float] = {}
-    memo = layout._dependency_cache[recompute]  # read inline: this loop is the hot path
+    memo = dependency_memo(layout, recompute, fused)  # read inline: this loop is the hot path
     while ready:
         r = ready.pop()
         order, k, t = compute[r], pos[r], clock[r]
@@ -133,7 +173,11 @@ def play(
             node = (instr.op, instr.stage, instr.mb)
             start = t
             blocked = None
-            for dep in memo.get(node) or dependencies(layout, node, recompute):
+            deps = memo.get(node) or dependencies(layout, node, recompute, fused)
+            if k in paired[r]:  # the pair starts once the inputs of both ops are in
+                second = (order[k + 1].op, order[k + 1].stage, order[k + 1].mb)
+                deps = chain(deps, dependencies(layout, second, recompute, fused))
+            for dep in deps:
                 finished = times.get(dep)
                 if finished is None:
                     blocked = dep
@@ -205,8 +249,9 @@ def simulate(
     recompute = uses_recompute(programs)
     moves = Transfers(layout, costs, recompute)
     times, _ = played or play(layout, programs, costs, moves)
+    synced = sync_times(layout, programs, times, costs)
     timeline, ranks = [], []
-    for prog in programs:
+    for r, prog in enumerate(programs):
         slots = tuple(
             Slot(i, *times[(i.op, i.stage, i.mb)]) for i in prog if i.op in COMPUTE_OPS
         )
@@ -219,9 +264,10 @@ def simulate(
             per_stash = [b / costs.mem_F for b in costs.stash_bytes]
             profile = activation_profile(prog, layout, costs, recompute, per_stash)
             peak_bytes = round(max([0.0, *profile]))
+        sync = max(0.0, synced[r] - (slots[-1].end if slots else 0.0))
         timeline.append(slots)
-        ranks.append(RankStats(busy, span, peak, peak_bytes))
-    makespan = max((s[-1].end for s in timeline if s), default=0.0)
+        ranks.append(RankStats(busy, span, peak, layout.params_of_rank(r), sync, peak_bytes))
+    makespan = max(synced + [s[-1].end for s in timeline if s], default=0.0)
     total_busy = sum(r.busy for r in ranks)
     bubble = 1 - total_busy / (len(programs) * makespan) if makespan > 0 else 0.0
     max_span = max(r.span for r in ranks)

@@ -5,7 +5,8 @@ Expects a verified `Compiled`; guarantees one row of actions per rank that torch
 W -> W; with comms, SEND_ACT/RECV_ACT -> SEND_F/RECV_F and SEND_GRAD/RECV_GRAD -> SEND_B/RECV_B
 in pipec's (deadlock-free) order, and OPTIMIZER_STEP -> one REDUCE_GRAD per stage of the rank
 (torch scales gradients there and steps the optimizer outside the schedule; its compute-only
-loader adds REDUCE_GRAD itself). Anything torch's runtime cannot run is refused, by name.
+loader adds REDUCE_GRAD itself); an OVERLAP hint is dropped (torch runs the pair in turn).
+Anything torch's runtime cannot run is refused, by name.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def _cells(rank: int, pos: int, instr: Instr, compiled: Compiled, comms: bool) -
     if instr.op is Op.OPTIMIZER_STEP:
         stages = compiled.layout.stages_of_rank(rank)
         return [(Action(s, "REDUCE_GRAD"),) for s in stages] if comms else []
+    if instr.op is Op.OVERLAP:  # a hint only: torch runs the pair one after the other
+        return []
     raise PipecError(
         f"rank {rank}, instruction {pos} ({instr}): torch's runtime has no {instr.op.value} "
         "action (it runs F, B, I, W, point-to-point and REDUCE_GRAD); export a schedule "

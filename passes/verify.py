@@ -3,7 +3,10 @@
 1. Every op of the work graph appears exactly once, on the rank its stage is mapped to.
 2. Program order respects every data dependency; an input from another rank is received first.
 3. Sends and receives match one to one, and executing all programs with *blocking* point-to-
-   point (a send waits for its receive) finishes: the system has no deadlock.
+   point (a send waits for its receive) finishes: the system has no deadlock. The same holds
+   for replica all-reduces (ALLREDUCE_GRADS): each replicated stage has exactly one, both
+   ranks of the pair meet at it (a blocking rendezvous), and each side has finished all of
+   that stage's backward work by then.
 4. Each rank's peak live activations, counted stash by stash, equal what the simulator reports
    and stay within the user's memory limit. Stash moves (BPipe) count where the stash is: an
    EVICT frees it on the evictor, ACCEPT holds it on the acceptor until RETURN, LOAD brings it
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from passes import replicas
 from passes.costs import CostModel
 from passes.residency import check_residency
 from passes.simulate import uses_recompute
@@ -30,7 +34,14 @@ from pipec.ir import (
     Op,
     PipecError,
     dependencies,
+    Layout,
+    dependency_memo,
+    fused_backwards,
 )
+
+
+#: Ops that meet a counterpart on a peer rank (a replica all-reduce only when it names one).
+MESSAGE_LIKE = SEND_OPS | RECV_OPS | MEMORY_OPS | {Op.ALLREDUCE_GRADS}
 
 
 class VerifyError(PipecError):
@@ -63,12 +74,14 @@ def check_coverage(compiled: Compiled) -> None:
     layout, programs = compiled.layout, compiled.programs
     if len(programs) != layout.p:
         raise VerifyError(f"{len(programs)} programs for a {layout.p}-rank layout")
-    split = any(i.op in (Op.B, Op.W) for prog in programs for i in prog)
-    kinds = (Op.F, Op.B, Op.W) if split else (Op.F, Op.BW)
-    if uses_recompute(programs):
-        kinds += (Op.RECOMPUTE,)
+    fused = _fused(compiled)
+    extra = (Op.RECOMPUTE,) if uses_recompute(programs) else ()
     expected = {
-        (k, s, i) for pl in layout.pipelines for s in pl.stages for i in pl.mbs for k in kinds
+        (k, s, i)
+        for pl in layout.pipelines
+        for s in pl.stages
+        for i in pl.mbs
+        for k in (Op.F, *extra, *((Op.BW,) if (s, i) in fused else (Op.B, Op.W)))
     }
     seen: set = set()
     for r, prog in enumerate(programs):
@@ -94,6 +107,42 @@ def check_coverage(compiled: Compiled) -> None:
             f"rank {layout.stage_rank[s]}: {k.value} s={s} mb={i} is missing "
             f"({len(missing)} work-graph ops missing in all)"
         )
+    bad = replicas.coverage_error(layout, programs) or _overlap_error(programs)
+    if bad:
+        raise VerifyError(bad)
+
+
+def _overlap_error(programs: Sequence[Sequence[Instr]]) -> str | None:
+    """Why an OVERLAP marker is not followed by a forward and then a backward, if one is not."""
+    why = "must precede a forward and then a backward"
+    for r, prog in enumerate(programs):
+        marker, pair = None, []
+        for pos, instr in enumerate(prog):
+            if instr.op is Op.OVERLAP:
+                if marker is not None:
+                    return f"{_at(r, marker, prog[marker])}: {why}"
+                marker, pair = pos, []
+            elif marker is not None and instr.op in COMPUTE_OPS:
+                pair.append(instr.op)
+                if len(pair) == 2:
+                    if pair not in ([Op.F, Op.B], [Op.F, Op.BW]):
+                        return f"{_at(r, marker, prog[marker])}: {why}"
+                    marker = None
+        if marker is not None:
+            return f"{_at(r, marker, prog[marker])}: {why}"
+    return None
+
+
+def _fused(compiled: Compiled) -> frozenset[tuple[int, int]]:
+    """(stage, mb) whose backward is one fused BW: all, none, or DualPipe's mix."""
+    programs = compiled.programs
+    mixed = fused_backwards(programs)
+    if mixed is not None:
+        return mixed
+    if any(i.op in (Op.B, Op.W) for prog in programs for i in prog):
+        return frozenset()
+    layout = compiled.layout
+    return frozenset((s, i) for pl in layout.pipelines for s in pl.stages for i in pl.mbs)
 
 
 #: The half each stash-move instruction is matched with on the peer.
@@ -141,18 +190,19 @@ def check_execution(compiled: Compiled) -> None:
     layout, programs = compiled.layout, compiled.programs
     recompute = uses_recompute(programs)
     rank_of = layout.stage_rank
-    bwd = Op.B if any(i.op is Op.B for prog in programs for i in prog) else Op.BW
+    fused = _fused(compiled)
     n = len(programs)
     available: list[set] = [set() for _ in range(n)]  # nodes computed here or received here
     pos = [0] * n
     waiters: list[set[int]] = [set() for _ in range(n)]  # ranks blocked on each rank's progress
     ready = set(range(n))
 
-    memo = layout._dependency_cache[recompute]
+    mixed = fused_backwards(programs)  # None unless fused and split backwards mix
+    memo = dependency_memo(layout, recompute, mixed)
 
     def step_compute(r: int, instr: Instr) -> None:
         node = (instr.op, instr.stage, instr.mb)
-        for dep in memo.get(node) or dependencies(layout, node, recompute):
+        for dep in memo.get(node) or dependencies(layout, node, recompute, mixed):
             if dep not in available[r]:
                 what = "computed" if rank_of[dep[1]] == r else f"received from rank {rank_of[dep[1]]}"
                 raise VerifyError(
@@ -169,22 +219,17 @@ def check_execution(compiled: Compiled) -> None:
             instr = prog[pos[r]]
             if instr.op in COMPUTE_OPS:
                 step_compute(r, instr)
-            elif instr.op in SEND_OPS or instr.op in RECV_OPS or instr.op in MEMORY_OPS:
-                bad = _message_peer_error(instr, r, compiled)
-                if bad:
-                    raise VerifyError(f"{_at(r, pos[r], instr)}: {bad}")
-                q, other = instr.peer, counterpart(instr, r, compiled)
-                payload = None  # a stash move carries no work-graph value
-                if instr.op not in MEMORY_OPS:
-                    send, sender, receiver = (instr, r, q) if instr.op in SEND_OPS else (other, q, r)
-                    payload = (Op.F if send.op is Op.SEND_ACT else bwd, send.stage, send.mb)
-                    if sender == r and payload not in available[r]:
-                        raise VerifyError(f"{_at(r, pos[r], instr)}: sends what is not computed yet")
+            elif instr.op in MESSAGE_LIKE and (instr.op is not Op.ALLREDUCE_GRADS or instr.peer is not None):
+                if instr.op is Op.ALLREDUCE_GRADS:
+                    other, delivery = _sync_rendezvous(r, pos[r], instr, layout, available, fused)
+                else:
+                    other, delivery = _message(r, pos[r], instr, compiled, available, fused)
+                q = instr.peer
                 if pos[q] >= len(programs[q]) or programs[q][pos[q]] != other:
                     waiters[q].add(r)  # blocked until the peer reaches the counterpart
                     break
-                if payload is not None:
-                    available[receiver].add(payload)
+                if delivery:
+                    available[delivery[0]].add(delivery[1])
                 pos[q] += 1
                 ready.add(q)
                 ready |= waiters[q]  # the peer moved: whoever waits on it may go on
@@ -203,6 +248,41 @@ def check_execution(compiled: Compiled) -> None:
     for r, prog in enumerate(programs):
         if not prog or prog[-1].op is not Op.OPTIMIZER_STEP:
             raise VerifyError(f"rank {r}: the program must end with OPTIMIZER_STEP")
+
+
+def _message(
+    r: int, pos: int, instr: Instr, compiled: Compiled, available: list[set], fused: frozenset
+) -> tuple[Instr, tuple[int, tuple] | None]:
+    """A send, receive or stash move: the peer's counterpart, and (receiving rank, node it
+    delivers); a stash move carries no work-graph value."""
+    bad = _message_peer_error(instr, r, compiled)
+    if bad:
+        raise VerifyError(f"{_at(r, pos, instr)}: {bad}")
+    other = counterpart(instr, r, compiled)
+    if instr.op in MEMORY_OPS:
+        return other, None
+    send, sender, receiver = (instr, r, instr.peer) if instr.op in SEND_OPS else (other, instr.peer, r)
+    bwd = Op.BW if (send.stage, send.mb) in fused else Op.B
+    payload = (Op.F if send.op is Op.SEND_ACT else bwd, send.stage, send.mb)
+    if sender == r and payload not in available[r]:
+        raise VerifyError(f"{_at(r, pos, instr)}: sends what is not computed yet")
+    return other, (receiver, payload)
+
+
+def _sync_rendezvous(
+    r: int, pos: int, instr: Instr, layout: Layout, available: list[set], fused: frozenset
+) -> tuple[Instr, None]:
+    """A replica all-reduce: the peer's counterpart, once this side's gradients are final."""
+    bad = replicas.sync_error(layout, instr, r)
+    if bad:
+        raise VerifyError(f"{_at(r, pos, instr)}: {bad}")
+    for node in replicas.backward_nodes(layout, instr.stage, fused):
+        if node not in available[r]:
+            raise VerifyError(
+                f"{_at(r, pos, instr)}: {node[0].value} s={node[1]} mb={node[2]} has not run "
+                "yet, so the gradients are not final"
+            )
+    return replicas.counterpart(layout, instr, r), None
 
 
 def check_memory(

@@ -121,9 +121,12 @@ def _placement_table(layout: Layout, topology: Topology | None) -> str:
 
 
 def _rank_table(sim: SimResult) -> str:
-    lines = [f"{'rank':>4}  {'busy':>10}  {'span':>10}  {'peak act':>9}"]
+    lines = [f"{'rank':>4}  {'busy':>10}  {'span':>10}  {'peak act':>9}  {'params':>6}  {'sync':>6}"]
     for r, s in enumerate(sim.ranks):
-        lines.append(f"{r:>4}  {s.busy:>10.4g}  {s.span:>10.4g}  {s.peak_activations:>9.4g}")
+        lines.append(
+            f"{r:>4}  {s.busy:>10.4g}  {s.span:>10.4g}  {s.peak_activations:>9.4g}  "
+            f"{s.params:>6.4g}  {s.sync:>6.4g}"
+        )
     lines.append(
         f"makespan {sim.makespan:.6g}  bubble {sim.bubble:.4f}  span_bubble {sim.span_bubble:.4f}"
     )

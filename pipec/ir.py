@@ -8,6 +8,7 @@ Everything here is a frozen value so results compare with `==` (golden tests, ro
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -51,7 +52,18 @@ class Op(enum.Enum):
     RETURN = "RETURN"
     """Send the held stash of (stage, mb) back to the evictor `peer` and free it here."""
     ALLREDUCE_GRADS = "ALLREDUCE_GRADS"
-    """All-reduce the gradients of `stage` with its replica on `peer` (or the DP group)."""
+    """All-reduce the gradients of `stage` with its replica on `peer` (or the DP group).
+
+    Roughly: issue the collective (asynchronously) once the stage's last backward is done;
+    OPTIMIZER_STEP waits for it. Both ranks of a replica pair issue their pair's collectives in
+    the same order, so even a blocking collective cannot deadlock.
+    """
+    OVERLAP = "OVERLAP"
+    """The next two compute instructions, a forward and a backward, may run concurrently.
+
+    DualPipe's F&B pair: the runtime may interleave the forward's communication with the
+    backward's compute (and vice versa). Without the hint it runs them one after the other.
+    """
     OPTIMIZER_STEP = "OPTIMIZER_STEP"
     """Apply the optimizer to every parameter this rank holds, then zero the gradients."""
 
@@ -161,12 +173,25 @@ class Layout:
         return {mb: i for i, pl in enumerate(self.pipelines) for mb in pl.mbs}
 
     @cached_property
-    def _dependency_cache(self) -> tuple[dict, dict]:
-        """Memo for `dependencies`, without and with recompute."""
-        return {}, {}
+    def _dependency_cache(self) -> dict[tuple, dict]:
+        """Memos for `dependencies`, one per (recompute, fused)."""
+        return {}
 
     def stages_of_rank(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_rank) if r == rank)
+
+    @cached_property
+    def replica(self) -> dict[int, int]:
+        """stage -> the other stage computing the same chunk (bidirectional schedules hold two
+        replicas of the model); stages of a chunk held once are absent."""
+        by_chunk: dict[int, list[int]] = {}
+        for s, c in enumerate(self.stage_chunk):
+            by_chunk.setdefault(c, []).append(s)
+        return {a: b for pair in by_chunk.values() if len(pair) == 2 for a, b in (pair, pair[::-1])}
+
+    def params_of_rank(self, rank: int) -> float:
+        """Parameter memory a rank holds, in units of one rank's share of one model copy."""
+        return len(self.stages_of_rank(rank)) * self.stash_share
 
     def to_json(self) -> dict:
         return {
@@ -226,25 +251,51 @@ class Compiled:
         return len(self.programs)
 
 
+def fused_backwards(programs: Sequence[Sequence[Instr]]) -> frozenset[tuple[int, int]] | None:
+    """(stage, mb) of every fused BW when the programs split other backwards into B and W.
+
+    DualPipe mixes them: a full backward is one BW, a zero-bubble one is B then W. None when
+    every backward has the same form, the common case.
+    """
+    fused = frozenset((i.stage, i.mb) for prog in programs for i in prog if i.op is Op.BW)
+    if fused and any(i.op is Op.B for prog in programs for i in prog):
+        return fused
+    return None
+
+
 def dependencies(
-    layout: Layout, node: tuple[Op, int, int], recompute: bool = False
+    layout: Layout,
+    node: tuple[Op, int, int],
+    recompute: bool = False,
+    fused: frozenset[tuple[int, int]] | None = None,
 ) -> tuple[tuple[Op, int, int], ...]:
     """Predecessors of compute node (op, stage, mb) in the work graph (DESIGN.md's edges).
 
     F(s,i)<-F(prev,i); B(last,i)<-F(last,i); B(s,i)<-B(next,i), F(s,i); W(s,i)<-B(s,i).
-    A fused BW follows the same edges as B (its upstream backward is a BW too); with
-    recompute, the backward also waits for RECOMPUTE(s,i), which waits for F(s,i).
+    A fused BW follows the same edges as B (its upstream backward is a BW too, unless
+    `fused` — see fused_backwards — says which backwards are fused); with recompute, the
+    backward also waits for RECOMPUTE(s,i), which waits for F(s,i).
     Memoised per layout: every pass asks for the same nodes' predecessors.
     """
-    cache = layout._dependency_cache[recompute]
+    cache = dependency_memo(layout, recompute, fused)
     deps = cache.get(node)
     if deps is None:
-        deps = cache[node] = _dependencies(layout, node, recompute)
+        deps = cache[node] = _dependencies(layout, node, recompute, fused)
     return deps
 
 
+def dependency_memo(
+    layout: Layout, recompute: bool, fused: frozenset[tuple[int, int]] | None
+) -> dict[tuple[Op, int, int], tuple[tuple[Op, int, int], ...]]:
+    """The memo `dependencies` fills for (recompute, fused); hot loops read it inline."""
+    return layout._dependency_cache.setdefault((recompute, fused), {})
+
+
 def _dependencies(
-    layout: Layout, node: tuple[Op, int, int], recompute: bool
+    layout: Layout,
+    node: tuple[Op, int, int],
+    recompute: bool,
+    fused: frozenset[tuple[int, int]] | None,
 ) -> tuple[tuple[Op, int, int], ...]:
     op, s, i = node
     if op is Op.F:
@@ -254,7 +305,11 @@ def _dependencies(
         return ((Op.F, s, i),)
     if op is Op.B or op is Op.BW:
         nxt = layout.next_stage(s)
-        deps = ((Op.F, s, i),) if nxt is None else ((op, nxt, i), (Op.F, s, i))
+        if nxt is None:
+            deps: tuple[tuple[Op, int, int], ...] = ((Op.F, s, i),)
+        else:
+            up = op if fused is None else Op.BW if (nxt, i) in fused else Op.B
+            deps = ((up, nxt, i), (Op.F, s, i))
         return deps + ((Op.RECOMPUTE, s, i),) if recompute else deps
     if op is Op.W:
         return ((Op.B, s, i),)

@@ -99,14 +99,14 @@ def test_comms_rows_map_messages_and_end_with_reduce_grad():
 
 
 def test_split_backward_maps_to_input_and_weight():
-    """B/W of pipec are torch's I/W; a full torch B in a split schedule becomes B then W."""
+    """B/W of pipec are torch's I/W; a full torch B stays one fused BW in a split schedule."""
     rows = [
         [(Action(0, "F", 0),), (Action(0, "B", 0),)],
         [(Action(1, "F", 0),), (Action(1, "I", 0),), (Action(1, "W", 0),)],
     ]
     sched = schedule_from_torch("t", rows, "t")
     assert sched.orders == (
-        (Instr(Op.F, 0, 0), Instr(Op.B, 0, 0), Instr(Op.W, 0, 0)),
+        (Instr(Op.F, 0, 0), Instr(Op.BW, 0, 0)),
         (Instr(Op.F, 1, 0), Instr(Op.B, 1, 0), Instr(Op.W, 1, 0)),
     )
     fused = schedule_from_torch("t", [[(Action(0, "F", 0),), (Action(0, "B", 0),)]], "t")

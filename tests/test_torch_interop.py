@@ -129,12 +129,18 @@ def test_zero_bubble_orders_simulate_like_pipecs(cls, v, name, p, m, costs):
         assert (theirs.sim.makespan, ours.sim.makespan) == pytest.approx(known, abs=1e-3)
 
 
-#: (pipec family, costs, p, m) -> (torch's makespan, pipec's): torch's ZBV is a fixed order;
-#: pipec's zb-v is the reference's greedy under the given costs, equal at unit costs and
-#: 0.2% longer under the 1.5B model's costs.
+#: (pipec family, costs, p, m) -> (torch's makespan, pipec's), explained in the README:
+#: torch's ZBV is a fixed order while pipec's zb-v is the reference's greedy under the given
+#: costs (equal at unit costs, 0.2% longer under the 1.5B costs); pipec's dualpipev starts each
+#: OVERLAP pair (DualPipe's F&B) once both its inputs are in, DeepSeek's accounting, while
+#: torch's order, imported without the hint, runs the pair's two ops one after the other.
 KNOWN_DIFFERENCES = {
     ("zb-v", "1.5B", 4, 8): (798.102, 799.701),
     ("zb-v", "1.5B", 8, 24): (2354.502, 2356.049),
+    ("dualpipev", "unit", 4, 8): (51.0, 54.0),
+    ("dualpipev", "unit", 8, 24): (151.0, 158.0),
+    ("dualpipev", "1.5B", 4, 8): (824.145, 882.115),
+    ("dualpipev", "1.5B", 8, 24): (2413.085, 2558.365),
 }
 
 
@@ -144,9 +150,9 @@ KNOWN_DIFFERENCES = {
         # makespan at unit costs and at the 1.5B costs; README_INTEROP.md lists and explains them
         ("ScheduleInterleavedZeroBubble", 4, 8, 51, 826.549),
         ("ScheduleZBVZeroBubble", 4, 8, 51, 798.102),
-        ("ScheduleDualPipeV", 4, 8, 51, 820.539),
+        ("ScheduleDualPipeV", 4, 8, 51, 824.145),
         ("ScheduleZBVZeroBubble", 8, 24, 151, 2354.502),
-        ("ScheduleDualPipeV", 8, 24, 151, 2407.075),
+        ("ScheduleDualPipeV", 8, 24, 151, 2413.085),
     ],
 )
 def test_two_chunk_zero_bubble_makespans(cls, p, m, unit, gpt15):

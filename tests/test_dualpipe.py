@@ -1,0 +1,80 @@
+"""DualPipe and DualPipeV: DeepSeek's figures, and DualPipeV's order equals torch's."""
+
+import pytest
+from torch.distributed.pipelining.schedules import ScheduleDualPipeV, _Action, _ComputationType
+
+from passes.registry import Request, build_schedule
+from pipec.ir import Instr, Op
+from tests.helpers import peaks, run
+
+TORCH_OP = {
+    _ComputationType.FORWARD: Op.F,
+    _ComputationType.BACKWARD_INPUT: Op.B,
+    _ComputationType.BACKWARD_WEIGHT: Op.W,
+    _ComputationType.FULL_BACKWARD: Op.BW,
+}
+
+
+def torch_orders(p: int, m: int) -> list[list[Instr]]:
+    """ScheduleDualPipeV's per-rank compute actions, built without a process group."""
+    sched = ScheduleDualPipeV.__new__(ScheduleDualPipeV)  # __init__ needs real stages
+    sched.pp_group_size, sched._n_microbatches = p, m
+
+    def instrs(a: _Action) -> list[Instr]:
+        if a.computation_type is _ComputationType.OVERLAP_F_B:
+            return [Instr(Op.OVERLAP), *(x for sub in a.sub_actions for x in instrs(sub))]
+        return [Instr(TORCH_OP[a.computation_type], a.stage_index, a.microbatch_index)]
+
+    return [
+        [x for a in sched._calculate_single_rank_operations(r) for x in instrs(a)]
+        for r in range(p)
+    ]
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (3, 6), (4, 8), (4, 10), (4, 13), (8, 16), (8, 21)])
+def test_dualpipev_order_equals_torch(p, m):
+    ours = build_schedule("dualpipev", Request(p, m, 2)).orders
+    assert [list(o) for o in ours] == torch_orders(p, m)
+
+
+def test_dualpipe_p8_m20_deepseek_figure():
+    """66 units per rank, 6 of them idle: (PP/2-1)(F&B+B-3W) with F&B=3, B=2, W=1."""
+    r = run("dualpipe", 8, 20)
+    assert r.sim.makespan == 66
+    assert all(s.busy == 60 for s in r.sim.ranks)
+    assert max(s.span for s in r.sim.ranks) == 66
+    assert peaks(r) == [9] * 8  # PP+1 stashes
+    assert [s.params for s in r.sim.ranks] == [2] * 8
+
+
+def test_dualpipev_p4_m10_deepseek_figure():
+    """6 idle per rank in half-chunk units; PP+1 = 9 chunk stashes of half a rank's share."""
+    r = run("dualpipev", 4, 10)
+    assert r.sim.makespan == 66
+    assert all(r.sim.makespan - s.busy == 6 for s in r.sim.ranks)
+    assert peaks(r) == [4.5] * 4
+    assert [s.params for s in r.sim.ranks] == [1] * 4
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (6, 12), (8, 16)])
+def test_dualpipe_bubble_formula(p, m):
+    """Every rank idles (PP/2-1)(F&B+B-3W) = 2(p/2-1) units at F=B=W=1, for any m >= 2p."""
+    r = run("dualpipe", p, m)
+    assert all(r.sim.makespan - s.busy == 2 * (p // 2 - 1) for s in r.sim.ranks)
+
+
+def test_dualpipe_overlapped_pairs_are_marked():
+    r = run("dualpipe", 4, 8)
+    prog = r.compiled.programs[0]
+    k = prog.index(Instr(Op.OVERLAP))
+    pair = [i.op for i in prog[k + 1 :] if i.op in (Op.F, Op.B, Op.BW, Op.W)][:2]
+    assert pair == [Op.F, Op.BW]
+
+
+def test_dualpipe_syncs_replicas_at_the_end():
+    prog = run("dualpipe", 4, 8).compiled.programs[1]
+    assert prog[-3:] == (
+        Instr(Op.ALLREDUCE_GRADS, 1, None, 2),
+        Instr(Op.ALLREDUCE_GRADS, 6, None, 2),
+        Instr(Op.OPTIMIZER_STEP),
+    )
