@@ -20,7 +20,13 @@ from pipec.ir import Op, dependencies
 
 def shortest(d: int, n: int, backward: int) -> int:
     layout = two_way_layout(d, n, tuple(range(d)))
-    nodes = [(k, s, i) for pl in layout.pipelines for s in pl.stages for i in pl.mbs for k in (Op.F, Op.BW)]
+    nodes = [
+        (k, s, i)
+        for pl in layout.pipelines
+        for s in pl.stages
+        for i in pl.mbs
+        for k in (Op.F, Op.BW)
+    ]
     deps = {x: list(dependencies(layout, x)) for x in nodes}
     rank = {x: layout.stage_rank[x[1]] for x in nodes}
     dur = {x: 1 if x[0] is Op.F else backward for x in nodes}
@@ -30,6 +36,7 @@ def shortest(d: int, n: int, backward: int) -> int:
     def tail(x: tuple) -> int:
         """The longest path from the start of x to the end of the iteration."""
         return dur[x] + max((tail(y) for y in successors[x]), default=0)
+
     best = [sum(dur.values())]  # any schedule is shorter than running everything in turn
 
     def search(end: dict, free: list[int], left: list[int]) -> None:
@@ -61,5 +68,8 @@ def shortest(d: int, n: int, backward: int) -> int:
 if __name__ == "__main__":
     d, n, b = (int(a) for a in sys.argv[1:4]) if len(sys.argv) > 3 else (4, 4, 2)
     slots = shortest(d, n, b)
-    print(f"D={d} N={n} B={b}F: shortest iteration {slots} slots, bubble {1 - n * (1 + b) / slots:.4f}, "
-          f"paper's (D-2)/(2N+D-2) = {(d - 2) / (2 * n + d - 2):.4f}")
+    print(
+        f"D={d} N={n} B={b}F: shortest iteration {slots} slots, "
+        f"bubble {1 - n * (1 + b) / slots:.4f}, "
+        f"paper's (D-2)/(2N+D-2) = {(d - 2) / (2 * n + d - 2):.4f}"
+    )

@@ -13,8 +13,8 @@ p=64, m=1024 schedule simulates in well under a second.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 
 from passes.costs import CostModel
 from passes.replicas import sync_times
@@ -134,8 +134,8 @@ def play(
             blocked = None
             deps = dependencies(layout, node, recompute, fused)
             if k in paired[r]:  # the pair starts once the inputs of both ops are in
-                second = order[k + 1]
-                deps = chain(deps, dependencies(layout, (second.op, second.stage, second.mb), recompute, fused))
+                second = (order[k + 1].op, order[k + 1].stage, order[k + 1].mb)
+                deps = chain(deps, dependencies(layout, second, recompute, fused))
             for dep in deps:
                 finished = times.get(dep)
                 if finished is None:

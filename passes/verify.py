@@ -22,7 +22,15 @@ from passes import replicas
 from passes.costs import CostModel
 from passes.simulate import uses_recompute
 from pipec.ir import (
-    COMPUTE_OPS, RECV_OPS, SEND_OPS, Compiled, Instr, Layout, Op, PipecError, dependencies,
+    COMPUTE_OPS,
+    RECV_OPS,
+    SEND_OPS,
+    Compiled,
+    Instr,
+    Layout,
+    Op,
+    PipecError,
+    dependencies,
     fused_backwards,
 )
 
@@ -224,7 +232,8 @@ def _message(
     if bad:
         raise VerifyError(f"{_at(r, pos, instr)}: {bad}")
     other = _counterpart(instr, r, compiled)
-    send, sender, receiver = (instr, r, instr.peer) if instr.op in SEND_OPS else (other, instr.peer, r)
+    sending = instr.op in SEND_OPS
+    send, sender, receiver = (instr, r, instr.peer) if sending else (other, instr.peer, r)
     bwd = Op.BW if (send.stage, send.mb) in fused else Op.B
     payload = (Op.F if send.op is Op.SEND_ACT else bwd, send.stage, send.mb)
     if sender == r and payload not in available[r]:

@@ -44,7 +44,8 @@ def _compile(schedule, pp, microbatches, chunks, costs, mem, memory_limit) -> Co
 
 
 def _rank_table(sim: SimResult) -> str:
-    lines = [f"{'rank':>4}  {'busy':>10}  {'span':>10}  {'peak act':>9}  {'params':>6}  {'sync':>6}"]
+    head = f"{'rank':>4}  {'busy':>10}  {'span':>10}  {'peak act':>9}  {'params':>6}  {'sync':>6}"
+    lines = [head]
     for r, s in enumerate(sim.ranks):
         lines.append(
             f"{r:>4}  {s.busy:>10.4g}  {s.span:>10.4g}  {s.peak_activations:>9.4g}  "

@@ -1,5 +1,10 @@
 """The built-in schedule families; importing this package registers them."""
 
 from passes.schedules import (  # noqa: F401
-    bitpipe, chimera, dualpipe, gpipe, interleaved, one_f_one_b,
+    bitpipe,
+    chimera,
+    dualpipe,
+    gpipe,
+    interleaved,
+    one_f_one_b,
 )
