@@ -20,7 +20,15 @@ from collections.abc import Sequence
 from passes.costs import CostModel
 from passes.simulate import Played, play, uses_recompute
 from pipec.ir import (
-    COMPUTE_OPS, Compiled, Instr, Op, PipecError, Program, Schedule, dependencies, fused_backwards,
+    COMPUTE_OPS,
+    Compiled,
+    Instr,
+    Op,
+    PipecError,
+    Program,
+    Schedule,
+    dependencies,
+    fused_backwards,
 )
 
 Node = tuple[Op, int, int]
@@ -46,19 +54,27 @@ def messages(schedule: Schedule, played: Played) -> list[Message]:
         for dep in dependencies(layout, node, recompute, fused):
             if rank_of[dep[1]] != rank_of[node[1]]:
                 send, recv = _send_recv(dep, node, rank_of)
-                ends = [(rank_of[dep[1]], ("send", send, dep)), (rank_of[node[1]], ("recv", recv, node))]
+                ends = [
+                    (rank_of[dep[1]], ("send", send, dep)),
+                    (rank_of[node[1]], ("recv", recv, node)),
+                ]
                 out.append(((times[dep][1], seq[dep], seq[node]), ends))
     triggers = _sync_triggers(schedule)
     for s, (instr, trigger) in triggers.items():
         r = layout.replica[s]
         if r not in triggers:
-            raise PipecError(f"{schedule.name}: stage {s} all-reduces with stage {r}, which does not")
+            raise PipecError(
+                f"{schedule.name}: stage {s} all-reduces with stage {r}, which does not"
+            )
         if s < r:
             other, other_trigger = triggers[r]
             late = max((times[t][1], seq[t]) if t else (0.0, -1) for t in (trigger, other_trigger))
             # After every data message of the same trigger; the chunk breaks ties between pairs.
             key = (*late, len(seq) + layout.stage_chunk[s])
-            ends = [(rank_of[s], ("sync", instr, trigger)), (rank_of[r], ("sync", other, other_trigger))]
+            ends = [
+                (rank_of[s], ("sync", instr, trigger)),
+                (rank_of[r], ("sync", other, other_trigger)),
+            ]
             out.append((key, ends))
     out.sort(key=lambda message: message[0])
     return out

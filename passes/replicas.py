@@ -29,7 +29,9 @@ def counterpart(layout: Layout, instr: Instr, rank: int) -> Instr:
     return Instr(Op.ALLREDUCE_GRADS, layout.replica[instr.stage], None, rank)
 
 
-def syncs_at_end(layout: Layout, orders: Sequence[Sequence[Instr]]) -> tuple[tuple[Instr, ...], ...]:
+def syncs_at_end(
+    layout: Layout, orders: Sequence[Sequence[Instr]]
+) -> tuple[tuple[Instr, ...], ...]:
     """Append each rank's all-reduces after its last compute op, by chunk (Chimera's sync)."""
     return tuple(
         tuple(order)
@@ -46,9 +48,7 @@ def eager_syncs(layout: Layout, orders: Sequence[Sequence[Instr]]) -> tuple[tupl
     """Insert each stage's all-reduce right after its last backward op (BitPipe's eager sync)."""
     out = []
     for order in orders:
-        last = {
-            i.stage: k for k, i in enumerate(order) if i.op in (Op.B, Op.W, Op.BW)
-        }
+        last = {i.stage: k for k, i in enumerate(order) if i.op in (Op.B, Op.W, Op.BW)}
         after = {k: s for s, k in last.items() if s in layout.replica}
         prog: list[Instr] = []
         for k, instr in enumerate(order):
@@ -63,11 +63,7 @@ def backward_nodes(layout: Layout, stage: int, fused: Collection[tuple[int, int]
     """Every backward op of `stage` (BW where (stage, mb) is in `fused`, else B and W): the
     gradients are final once all of them have run."""
     mbs = layout.pipelines[layout.pipeline_of_stage(stage)].mbs
-    return [
-        (k, stage, i)
-        for i in mbs
-        for k in ((Op.BW,) if (stage, i) in fused else (Op.B, Op.W))
-    ]
+    return [(k, stage, i) for i in mbs for k in ((Op.BW,) if (stage, i) in fused else (Op.B, Op.W))]
 
 
 def sync_error(layout: Layout, instr: Instr, rank: int) -> str | None:
@@ -140,7 +136,9 @@ def sync_times(
                 continue
             instr, issued = mine[head[r]]
             q = instr.peer
-            if head[q] < len(pending[q]) and pending[q][head[q]][0] == counterpart(layout, instr, r):
+            if head[q] < len(pending[q]) and pending[q][head[q]][0] == counterpart(
+                layout, instr, r
+            ):
                 start = max(issued, pending[q][head[q]][1], done[r], done[q])
                 done[r] = done[q] = start + costs.allreduce
                 head[r] += 1

@@ -121,7 +121,8 @@ def _placement_table(layout: Layout, topology: Topology | None) -> str:
 
 
 def _rank_table(sim: SimResult) -> str:
-    lines = [f"{'rank':>4}  {'busy':>10}  {'span':>10}  {'peak act':>9}  {'params':>6}  {'sync':>6}"]
+    head = f"{'rank':>4}  {'busy':>10}  {'span':>10}  {'peak act':>9}  {'params':>6}  {'sync':>6}"
+    lines = [head]
     for r, s in enumerate(sim.ranks):
         lines.append(
             f"{r:>4}  {s.busy:>10.4g}  {s.span:>10.4g}  {s.peak_activations:>9.4g}  "

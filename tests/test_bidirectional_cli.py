@@ -19,7 +19,10 @@ from tests.test_cli import cli_run
         (["-s", "dualpipe", "-p", "4", "-m", "6"], "--microbatches 6 must be even and at least 2"),
         (["-s", "dualpipev", "-p", "4", "-m", "7"], "--microbatches 7 must be at least 2·pp = 8"),
         (["-s", "bitpipe", "-p", "4", "-m", "8", "-v", "1"], "--chunks 1 is not allowed"),
-        (["-s", "chimera", "-p", "4", "-m", "8", "--costs", "allreduce=x"], "cannot read 'allreduce=x'"),
+        (
+            ["-s", "chimera", "-p", "4", "-m", "8", "--costs", "allreduce=x"],
+            "cannot read 'allreduce=x'",
+        ),
     ],
 )
 def test_bad_shape_is_one_line_and_exit_2(args, message, capsys):

@@ -61,7 +61,7 @@ def test_bitpipe_bubble_below_interleaved_and_chimera(p, m):
 def test_bitpipe_layout_and_local_turn():
     r = run("bitpipe", 4, 8)
     layout = r.compiled.layout
-    assert [layout.stages_of_rank(q) for q in range(4)][0] == (0, 7, 11, 12)
+    assert layout.stages_of_rank(0) == (0, 7, 11, 12)
     assert [s.params for s in r.sim.ranks] == [2, 2, 2, 2]  # four chunks of 1/2 a share
     # The V turns on rank p-1 (down: stages 3 -> 4) and rank 0 (up: 11 -> 12): no sends.
     sends = {(i.op, i.stage) for prog in r.compiled.programs for i in prog}
@@ -95,6 +95,9 @@ def test_bitpipe_warmup_and_memory(p, m):
     """Rank r runs 2p + min(r, p-1-r) chunk forwards before its first backward (the paper's
     order: p/2 fewer) and peaks below interleaved 1F1B's activations at equal p, m."""
     orders = run("bitpipe", p, m).compiled.programs
-    warm = [sum(i.op is Op.F for i in prog[: prog.index(next(i for i in prog if i.op is Op.BW))]) for prog in orders]
+    warm = [
+        sum(i.op is Op.F for i in prog[: prog.index(next(i for i in prog if i.op is Op.BW))])
+        for prog in orders
+    ]
     assert warm == [2 * p + min(r, p - 1 - r) for r in range(p)]
     assert max(peaks(run("bitpipe", p, m))) < max(peaks(run("interleaved", p, m, 2)))

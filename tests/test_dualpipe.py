@@ -26,8 +26,7 @@ def torch_orders(p: int, m: int) -> list[list[Instr]]:
         return [Instr(TORCH_OP[a.computation_type], a.stage_index, a.microbatch_index)]
 
     return [
-        [x for a in sched._calculate_single_rank_operations(r) for x in instrs(a)]
-        for r in range(p)
+        [x for a in sched._calculate_single_rank_operations(r) for x in instrs(a)] for r in range(p)
     ]
 
 

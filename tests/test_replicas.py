@@ -26,12 +26,17 @@ def chim():
 
 def test_missing_allreduce(chim):
     prog = [i for i in chim.compiled.programs[1] if i != Instr(SYNC, 6, None, 2)]
-    with pytest.raises(VerifyError, match=r"rank 1: stage 6 has a replica on rank 2 but no ALLREDUCE"):
+    with pytest.raises(
+        VerifyError, match=r"rank 1: stage 6 has a replica on rank 2 but no ALLREDUCE"
+    ):
         verify(_with(chim, 1, prog), chim.costs)
 
 
 def test_allreduce_names_the_wrong_peer(chim):
-    prog = [Instr(SYNC, 6, None, 3) if i == Instr(SYNC, 6, None, 2) else i for i in chim.compiled.programs[1]]
+    prog = [
+        Instr(SYNC, 6, None, 3) if i == Instr(SYNC, 6, None, 2) else i
+        for i in chim.compiled.programs[1]
+    ]
     with pytest.raises(VerifyError, match=r"the replica of stage 6 \(stage 2\) is on rank 2"):
         verify(_with(chim, 1, prog), chim.costs)
 
@@ -107,6 +112,8 @@ def test_allreduce_cost_parses_and_round_trips():
     costs = parse_costs("allreduce=2.5")
     assert costs.allreduce == 2.5
     assert CostModel.from_json(costs.to_json()) == costs
-    assert "allreduce" not in CostModel().to_json()  # plans written before the field keep their hash
+    assert (
+        "allreduce" not in CostModel().to_json()
+    )  # plans written before the field keep their hash
     with pytest.raises(PipecError, match="--costs allreduce must not be negative"):
         parse_costs("allreduce=-1")

@@ -62,7 +62,9 @@ def dual_steps(half: int, h: int, n: int) -> Iterator[Step]:
     yield from [("W", 0, 0)] * (h + 1)
 
 
-def dual_order(steps: Iterator[Step], stages: tuple[int, int], mbs: Sequence[Sequence[int]]) -> list[Instr]:
+def dual_order(
+    steps: Iterator[Step], stages: tuple[int, int], mbs: Sequence[Sequence[int]]
+) -> list[Instr]:
     """One rank's order: phase k is `stages[k]` over micro-batches `mbs[k]`, taken in turn."""
     nxt = {(kind, ph): 0 for kind in "FB" for ph in (0, 1)}
     queued: deque[Instr] = deque()
@@ -102,7 +104,10 @@ def _check_dualpipe(req: Request) -> str | None:
 
 def _check_dualpipev(req: Request) -> str | None:
     if req.m < 2 * req.p:
-        return f"--microbatches {req.m} must be at least 2·pp = {2 * req.p} (the V has 2·pp stages)"
+        return (
+            f"--microbatches {req.m} must be at least 2·pp = {2 * req.p} "
+            f"(the V has 2·pp stages); try {2 * req.p}"
+        )
     return None
 
 
@@ -136,7 +141,6 @@ def dualpipev(req: Request) -> Schedule:
     p, m = req.p, req.m
     layout = single_pipeline(p, m, stage_ranks(v_shape, 2 * p, p))
     orders = tuple(
-        tuple(dual_order(dual_steps(p, r, m), (r, 2 * p - 1 - r), [range(m)] * 2))
-        for r in range(p)
+        tuple(dual_order(dual_steps(p, r, m), (r, 2 * p - 1 - r), [range(m)] * 2)) for r in range(p)
     )
     return Schedule("dualpipev", p, m, 2, layout, orders)

@@ -24,7 +24,11 @@ def list_schedule(
 ) -> tuple[tuple[Instr, ...], ...]:
     """Each rank's order of the work graph's F and BW ops under greedy list scheduling."""
     nodes = [
-        (k, s, i) for pl in layout.pipelines for s in pl.stages for i in pl.mbs for k in (Op.F, Op.BW)
+        (k, s, i)
+        for pl in layout.pipelines
+        for s in pl.stages
+        for i in pl.mbs
+        for k in (Op.F, Op.BW)
     ]
     waiting_on = {n: 0 for n in nodes}
     successors: dict[Node, list[Node]] = {n: [] for n in nodes}
