@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# The main job: compile the tiny GPT for 4 ranks and train it a few steps under torchrun (CPU).
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 

@@ -7,11 +7,12 @@ serialised with sorted keys. Nothing here chooses an order, a rank or a time.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from functools import cache
 
 import jinja2
 
-from passes.simulate import SimResult
+from passes.simulate import SimResult, Slot
 from pipec.ir import Program
 from pipec.textform import TITLE, Header
 
@@ -20,6 +21,7 @@ TRACE_US_PER_UNIT = 1000.0
 SVG_WIDTH = 1200.0
 ROW_HEIGHT = 22
 LEFT = 70
+MEMORY_COLUMN = 190  # right of the chart: each rank's peak, in stashes (and bytes with a model)
 
 
 @cache
@@ -45,12 +47,20 @@ def dump_json(data: object) -> str:
     return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
-def chrome_trace(sim: SimResult, title: str) -> dict:
-    """The simulated timeline as a Chrome/Perfetto trace: one thread per rank."""
+def chrome_trace(
+    timeline: Sequence[Sequence[Slot]],
+    title: str,
+    counters: Sequence[Sequence[tuple[float, float]]] = (),
+) -> dict:
+    """A timeline as a Chrome/Perfetto trace: one thread per rank, times in ms of cost units.
+
+    The simulator's timeline and the runtime's measured one print the same way; `counters`
+    (per rank: (time, live stash bytes) points) adds a memory track per rank.
+    """
     events: list[dict] = [
         {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": title}}
     ]
-    for rank, slots in enumerate(sim.timeline):
+    for rank, slots in enumerate(timeline):
         events.append(
             {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
              "args": {"name": f"rank {rank}"}}
@@ -68,39 +78,60 @@ def chrome_trace(sim: SimResult, title: str) -> dict:
                     "args": {"stage": slot.instr.stage, "mb": slot.instr.mb},
                 }
             )
+    for rank, points in enumerate(counters):
+        for t, live in points:
+            events.append(
+                {"name": f"stash bytes rank {rank}", "ph": "C", "pid": 0, "tid": rank,
+                 "ts": round(t * TRACE_US_PER_UNIT, 3), "args": {"bytes": live}}
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def render_svg(sim: SimResult, title: str) -> str:
     """A Gantt chart: ranks down, time across, F/B/W colours, micro-batch labels."""
     scale = (SVG_WIDTH - LEFT - 10) / sim.makespan if sim.makespan > 0 else 1.0
-    top = 24
-    boxes = []
+    top, h = 24, ROW_HEIGHT - 4
+    boxes = []  # one preformatted line per op: 10^5 boxes must print in well under a second
     for rank, slots in enumerate(sim.timeline):
         y = top + rank * ROW_HEIGHT
         for slot in slots:
             w = (slot.end - slot.start) * scale
             x = LEFT + slot.start * scale
-            boxes.append(
-                {
-                    "kind": slot.instr.op.value,
-                    "x": f"{x:.2f}",
-                    "y": y,
-                    "w": f"{w:.2f}",
-                    "h": ROW_HEIGHT - 4,
-                    "tip": f"{slot.instr} [{slot.start:g}, {slot.end:g})",
-                    "label": slot.instr.mb if w >= 7 * len(str(slot.instr.mb)) + 2 else "",
-                    "tx": f"{x + w / 2:.2f}",
-                    "ty": y + ROW_HEIGHT // 2 + 2,
-                }
+            box = (
+                f'<rect class="{slot.instr.op.name}" x="{x:.2f}" y="{y}" width="{w:.2f}" '
+                f'height="{h}"><title>{slot.instr} [{slot.start:g}, {slot.end:g})</title></rect>'
             )
-    rows = [(f"rank {r}", top + r * ROW_HEIGHT + ROW_HEIGHT // 2 + 2) for r in range(len(sim.timeline))]
-    kinds = sorted({s.instr.op.value for slots in sim.timeline for s in slots})
+            label = str(slot.instr.mb)
+            if w >= 7 * len(label) + 2:
+                box += f'<text class="l" x="{x + w / 2:.2f}" y="{y + h // 2 + 4}">{label}</text>'
+            boxes.append(box)
+    rows = [(f"rank {r}", top + r * ROW_HEIGHT + h // 2 + 4) for r in range(len(sim.timeline))]
+    peaks = [
+        f"peak {r.peak_activations:.4g} stashes"
+        + ("" if r.peak_stash_bytes is None else f" = {format_bytes(r.peak_stash_bytes)}")
+        for r in sim.ranks
+    ]
+    kinds = sorted({s.instr.op.name for slots in sim.timeline for s in slots})
     height = top + len(sim.timeline) * ROW_HEIGHT + 22
     return _env().get_template("schedule.svg.j2").render(
-        width=int(SVG_WIDTH), height=height, title=title, rows=rows, boxes=boxes,
+        width=int(SVG_WIDTH) + MEMORY_COLUMN, height=height, title=title, rows=rows, boxes=boxes,
         legend=[(k, LEFT + 60 * i) for i, k in enumerate(kinds)],
+        memory=[(text, y) for text, (_, y) in zip(peaks, rows)], memory_x=int(SVG_WIDTH) + 4,
     )
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units, three significant digits: 529152 -> '517 KiB'."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    k = 0
+    while abs(n) >= 1024 and k < len(units) - 1:
+        n, k = n / 1024, k + 1
+    return f"{n:.0f} B" if k == 0 else f"{n:.3g} {units[k]}"
+
+
+def render_launch(facts: dict) -> str:
+    """OUT/launch.py: the torchrun entry point of a build with a model (see the template)."""
+    return _env().get_template("launch.py.j2").render(**facts) + "\n"
 
 
 def terminal_gantt(sim: SimResult, width: int = 100) -> str:
@@ -119,3 +150,27 @@ def terminal_gantt(sim: SimResult, width: int = 100) -> str:
         lines.append(f"rank {rank:>3} |{''.join(row)}|")
     legend = "F forward, B input-grad backward, W weight-grad, X fused B+W, R recompute, . idle"
     return "\n".join(lines + [f"{'':9}0{'':{cols - 1 - len(f'{sim.makespan:g}')}}{sim.makespan:g}", legend])
+
+
+def measured_table(stats: dict) -> str:
+    """A run's measured figures beside the simulated ones (runtime/measure.py's stats.json)."""
+    m, s = stats["measured"], stats["simulated"]
+    ratio = m["makespan_ms"] / s["makespan_ms"] if s["makespan_ms"] > 0 else float("inf")
+    lines = [
+        f"measured over {stats['steps_measured']} steps (median) vs simulated "
+        + f"({s['cost_source']} costs):",
+        f"  makespan {m['makespan_ms']:.2f} ms vs {s['makespan_ms']:.2f} ms (x{ratio:.2f}); "
+        + f"iteration {m['iteration_ms']:.2f} ms",
+        f"  bubble   {m['bubble']:.3f} measured vs {s['bubble']:.3f} simulated",
+        f"  {'rank':>4}  {'peak stash measured':>20}  {'simulated':>10}  {'busy ms':>8}  "
+        + f"{'sim busy':>8}  {'overhead/instr':>14}",
+    ]
+    for r in stats["ranks"]:
+        sim_peak = r["simulated_peak_stash_bytes"]
+        lines.append(
+            f"  {r['rank']:>4}  {format_bytes(r['peak_stash_bytes']):>20}  "
+            f"{format_bytes(sim_peak) if sim_peak is not None else '-':>10}  "
+            f"{r['busy_ms']:>8.2f}  {r['simulated_busy_ms']:>8.2f}  "
+            f"{r['overhead_us_per_instruction']:>11.1f} us"
+        )
+    return "\n".join(lines)

@@ -1,12 +1,16 @@
 """The cost model: how long each op takes and how much activation memory it holds.
 
 Durations are per stage op in the user's unit (the zero-bubble papers' tables are in ms);
-`comm` is the latency of one cross-rank transfer; `allreduce` is the time of one chunk's
-gradient all-reduce between the two ranks that hold its replicas. A per-chunk list
-(`F=1:2:1:1`) gives each model chunk its own cost. Memory is in units of one micro-batch's
-stash of one rank's full share of the model: F adds `mem_F`, W adds `mem_W` (a release, so
-negative) and B the rest, so that a micro-batch nets zero; with recompute, F keeps only
-`mem_input` and RECOMPUTE adds back what is missing before the backward.
+`comm` is the latency of one cross-rank transfer, unless a `topology` prices each transfer by
+the link it crosses (latency + size / bandwidth; a pipeline message carries a stage input,
+`mem_input`, and an evicted stash what F left). A per-chunk list (`F=1:2:1:1`) gives each
+model chunk its own cost. Memory is in units of one micro-batch's stash of one rank's full
+share of the model: F adds `mem_F`, W adds `mem_W` (a release, so negative) and B the rest, so
+that a micro-batch nets zero; with recompute, F keeps only `mem_input` and RECOMPUTE adds back
+what is missing before the backward. With a model, `stash_bytes` gives one micro-batch's stash
+of each chunk in bytes (measured by the frontend), so memory is also reported in bytes.
+`allreduce` is the time of one chunk's gradient all-reduce between the two ranks that hold
+its replicas.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+from passes.topology import Topology
 from pipec.ir import Instr, Layout, Op, PipecError
 
 _ITEM = re.compile(r"^(F|B|W|comm|allreduce)=([-+0-9.eE:]+)$")
@@ -32,6 +37,9 @@ class CostModel:
     mem_F: float = 1.0
     mem_W: float = -1.0
     mem_input: float = 1.0 / 16
+    stash_bytes: tuple[float, ...] = ()
+    """Bytes of one micro-batch's stash per model chunk; empty without a model."""
+    topology: Topology | None = None
     allreduce: float = 0.0
 
     def per_chunk(self, kind: str, chunk: int) -> float:
@@ -52,10 +60,24 @@ class CostModel:
             return self.per_chunk("B", chunk) + self.per_chunk("W", chunk)
         return 0.0
 
+    def stash_size(self, recompute: bool) -> float:
+        """What F leaves until the backward (in stashes of its stage): what EVICT moves."""
+        return self.mem_input if recompute else self.mem_F
+
+    def transfer_time(self, src: int, dst: int, size: float) -> float:
+        """How long moving `size` stash units from rank src to rank dst takes."""
+        if src == dst:
+            return 0.0
+        if self.topology is None:
+            return self.comm
+        return self.topology.link(src, dst).time(size)
+
     def mem_delta(self, op: Op, recompute: bool) -> float:
         """Activation memory an op adds (in stashes of its stage), from the fused/split rules."""
-        if op is Op.F:
-            return self.mem_input if recompute else self.mem_F
+        if op is Op.F or op is Op.LOAD or op is Op.ACCEPT:
+            return self.stash_size(recompute)
+        if op is Op.EVICT or op is Op.RETURN:
+            return -self.stash_size(recompute)
         if op is Op.RECOMPUTE:
             return self.mem_F - self.mem_input
         if op is Op.B:
@@ -73,22 +95,32 @@ class CostModel:
                 raise PipecError(
                     f"--costs {kind} has {n} values; give one, or one per model chunk ({n_chunks})"
                 )
+        if self.stash_bytes and len(self.stash_bytes) != n_chunks:
+            raise PipecError(
+                f"the model has {len(self.stash_bytes)} chunks, the schedule {n_chunks}; recompile"
+            )
 
     def to_json(self) -> dict:
         out = {
             "F": list(self.F), "B": list(self.B), "W": list(self.W), "comm": self.comm,
             "mem_F": self.mem_F, "mem_W": self.mem_W, "mem_input": self.mem_input,
         }
-        # Written only when set, so plans (and their hashes) from before the field stay valid.
+        # Absent when unused, so schedule-only plans (and golden headers) keep their hash.
+        if self.stash_bytes:
+            out["stash_bytes"] = list(self.stash_bytes)
+        if self.topology is not None:
+            out["topology"] = self.topology.to_json()
         if self.allreduce:
             out["allreduce"] = self.allreduce
         return out
 
     @staticmethod
     def from_json(d: dict) -> CostModel:
+        topology = Topology.from_json(d["topology"]) if "topology" in d else None
         return CostModel(
             tuple(d["F"]), tuple(d["B"]), tuple(d["W"]), d["comm"],
-            d["mem_F"], d["mem_W"], d["mem_input"], d.get("allreduce", 0.0),
+            d["mem_F"], d["mem_W"], d["mem_input"], tuple(d.get("stash_bytes", ())), topology,
+            d.get("allreduce", 0.0),
         )
 
 

@@ -18,7 +18,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 
 from passes.costs import CostModel
-from passes.simulate import play, uses_recompute
+from passes.simulate import Played, play, uses_recompute
 from pipec.ir import (
     COMPUTE_OPS,
     Compiled,
@@ -41,10 +41,10 @@ Message = tuple[tuple, list[tuple[int, Entry]]]
 """A message's global key and its entries, one per rank that takes part."""
 
 
-def messages(schedule: Schedule, costs: CostModel) -> list[Message]:
+def messages(schedule: Schedule, played: Played) -> list[Message]:
     """Every cross-rank data edge and replica all-reduce, in global message order."""
     layout = schedule.layout
-    times, done_order = play(layout, schedule.orders, costs)
+    times, done_order = played
     seq = {node: k for k, node in enumerate(done_order)}
     recompute = uses_recompute(schedule.orders)
     fused = fused_backwards(schedule.orders)
@@ -101,15 +101,16 @@ def _send_recv(producer: Node, consumer: Node, rank_of: Sequence[int]) -> tuple[
     return Instr(Op.SEND_GRAD, s, mb, rank_of[c]), Instr(Op.RECV_GRAD, c, mb, rank_of[s])
 
 
-def lower(schedule: Schedule, costs: CostModel) -> Compiled:
+def lower(schedule: Schedule, costs: CostModel, played: Played | None = None) -> Compiled:
     """Insert sends, receives and OPTIMIZER_STEP; the compute order of every rank is kept.
 
     On each rank a send follows its producer as closely as the global message order allows,
     and a receive is placed as late as possible: right before the first compute op that needs
-    it, or earlier only when a later message must wait behind it.
+    it, or earlier only when a later message must wait behind it. `played` reuses a `play`
+    of the schedule under `costs`.
     """
     per_rank: list[list[Entry]] = [[] for _ in schedule.orders]
-    for _, ends in messages(schedule, costs):
+    for _, ends in messages(schedule, played or play(schedule.layout, schedule.orders, costs)):
         for rank, entry in ends:
             per_rank[rank].append(entry)
     programs = tuple(

@@ -86,7 +86,7 @@ def coverage_error(layout: Layout, programs: Sequence[Sequence[Instr]]) -> str |
     seen: set[int] = set()
     for r, prog in enumerate(programs):
         for pos, instr in enumerate(prog):
-            if instr.op is not Op.ALLREDUCE_GRADS:
+            if instr.op is not Op.ALLREDUCE_GRADS or instr.peer is None:  # DP's: no replica
                 continue
             bad = sync_error(layout, instr, r)
             if bad:
@@ -123,7 +123,7 @@ def sync_times(
         for instr in prog:
             if instr.op in COMPUTE_OPS:
                 clock = times[(instr.op, instr.stage, instr.mb)][1]
-            elif instr.op is Op.ALLREDUCE_GRADS:
+            elif instr.op is Op.ALLREDUCE_GRADS and instr.peer is not None:  # not DP's
                 mine.append((instr, clock))
         pending.append(mine)
     head = [0] * len(programs)

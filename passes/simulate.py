@@ -2,12 +2,13 @@
 
 Semantics are the runtime's: sends are non-blocking and receives are posted early, so a
 compute op starts when its rank is free and every input has arrived (the producer's end, plus
-`comm` when the producer is on another rank). An OVERLAP pair (DualPipe's F&B) starts as one
-unit, once the inputs of both its forward and its backward have arrived; it then costs what
-its two ops cost one after the other (no speed-up from overlapping is assumed), and each
-op's output leaves when that op ends. That is the longest path over the DAG of program
-order and data edges; it is computed with one worklist pass, O(number of instructions), so a
-p=64, m=1024 schedule simulates in well under a second.
+the transfer time when the producer is on another rank: `comm`, or the link's time under a
+topology). An OVERLAP pair (DualPipe's F&B) starts as one unit, once the inputs of both its
+forward and its backward have arrived; it then costs what its two ops cost one after the
+other (no speed-up from overlapping is assumed), and each op's output leaves when that op
+ends. That is the longest path over the DAG of program order and data edges; it is computed
+with one worklist pass, O(number of instructions). Stash moves (EVICT/ACCEPT, RETURN/LOAD)
+follow `passes/transfers.py`; replica all-reduces `passes/replicas.py`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from operator import attrgetter
 
 from passes.costs import CostModel
 from passes.replicas import sync_times
-from pipec.ir import COMPUTE_OPS, Instr, Layout, Op, PipecError, dependencies, fused_backwards
+from passes.transfers import Transfer, Transfers
+from pipec.ir import (
+    COMPUTE_OPS,
+    MEMORY_OPS,
+    Instr,
+    Layout,
+    Op,
+    PipecError,
+    dependencies,
+    dependency_memo,
+    fused_backwards,
+)
 
 Node = tuple[Op, int, int]
 
@@ -43,6 +56,8 @@ class RankStats:
     peak_activations: float
     params: float
     sync: float
+    peak_stash_bytes: float | None = None
+    """The peak in bytes when the cost model has per-chunk stash bytes (a model was given)."""
 
 
 @dataclass(frozen=True)
@@ -60,9 +75,16 @@ class SimResult:
     span_bubble: float
     ranks: tuple[RankStats, ...]
     timeline: tuple[tuple[Slot, ...], ...]
+    transfers: tuple[Transfer, ...] = ()
+
+    @property
+    def moved(self) -> float:
+        """Stash units moved by evictions and loads in one iteration."""
+        return sum(t.size for t in self.transfers)
 
     def to_json(self) -> dict:
-        return {
+        extra = {"moved_stashes": _round(self.moved)} if self.transfers else {}
+        return extra | {
             "makespan": _round(self.makespan),
             "bubble": _round(self.bubble),
             "span_bubble": _round(self.span_bubble),
@@ -75,6 +97,7 @@ class SimResult:
                     "params": _round(s.params),
                     "sync": _round(s.sync),
                 }
+                | ({} if s.peak_stash_bytes is None else {"peak_stash_bytes": s.peak_stash_bytes})
                 for r, s in enumerate(self.ranks)
             ],
         }
@@ -86,16 +109,22 @@ def _round(x: float) -> float:
 
 
 def uses_recompute(programs: Sequence[Sequence[Instr]]) -> bool:
-    return any(i.op is Op.RECOMPUTE for prog in programs for i in prog)
+    """Whether the programs recompute forwards (which adds RECOMPUTE to the work graph)."""
+    op_of = attrgetter("op")
+    return any(Op.RECOMPUTE in map(op_of, prog) for prog in programs)  # scans in C
+
+
+Played = tuple[dict[Node, tuple[float, float]], list[Node]]
 
 
 def overlap_starts(program: Sequence[Instr]) -> set[int]:
-    """Indices, counting compute ops only, of the first op of each OVERLAP pair."""
+    """Indices of the first op of each OVERLAP pair, counting the ops `play` steps through
+    (compute and stash moves)."""
     starts, k, marked = set(), 0, False
     for instr in program:
         if instr.op is Op.OVERLAP:
             marked = True
-        elif instr.op in COMPUTE_OPS:
+        elif instr.op in COMPUTE_OPS or instr.op in MEMORY_OPS:
             if marked:
                 starts.add(k)
             marked = False
@@ -104,35 +133,47 @@ def overlap_starts(program: Sequence[Instr]) -> set[int]:
 
 
 def play(
-    layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostModel
-) -> tuple[dict[Node, tuple[float, float]], list[Node]]:
+    layout: Layout,
+    programs: Sequence[Sequence[Instr]],
+    costs: CostModel,
+    transfers: Transfers | None = None,
+) -> Played:
     """Start and end time of every compute op, and the order in which they completed.
 
     The completion order is a topological order of program order plus data edges, and ends
     are non-decreasing along every such edge, so (end, position) orders events causally.
     A program that can never finish (a cycle) is a PipecError naming each stuck rank.
+    Stash transfers are recorded in `transfers` when one is given.
     """
     recompute = uses_recompute(programs)
     fused = fused_backwards(programs)
     rank_of = layout.stage_rank
-    compute = [[i for i in prog if i.op in COMPUTE_OPS] for prog in programs]
+    compute = [[i for i in prog if i.op in COMPUTE_OPS or i.op in MEMORY_OPS] for prog in programs]
     paired = [overlap_starts(prog) for prog in programs]
     times: dict[Node, tuple[float, float]] = {}
     done_order: list[Node] = []
-    waiting: dict[Node, list[int]] = {}
+    waiting: dict[object, list[int]] = {}
     pos = [0] * len(compute)
     clock = [0.0] * len(compute)
     ready = list(range(len(compute)))
-    comm = costs.comm
+    size = costs.mem_input * layout.stash_share  # a stage input: what a message carries
+    msg = [[costs.transfer_time(a, b, size) for b in range(layout.p)] for a in range(layout.p)]
+    moves = transfers if transfers is not None else Transfers(layout, costs, recompute)
+    durations: dict[tuple[Op, int], float] = {}
+    memo = dependency_memo(layout, recompute, fused)  # read inline: this loop is the hot path
     while ready:
         r = ready.pop()
         order, k, t = compute[r], pos[r], clock[r]
         while k < len(order):
             instr = order[k]
+            if instr.op in MEMORY_OPS:
+                ready.extend(waiting.pop(moves.reach(r, instr, t), ()))
+                k += 1
+                continue
             node = (instr.op, instr.stage, instr.mb)
             start = t
             blocked = None
-            deps = dependencies(layout, node, recompute, fused)
+            deps = memo.get(node) or dependencies(layout, node, recompute, fused)
             if k in paired[r]:  # the pair starts once the inputs of both ops are in
                 second = (order[k + 1].op, order[k + 1].stage, order[k + 1].mb)
                 deps = chain(deps, dependencies(layout, second, recompute, fused))
@@ -141,13 +182,23 @@ def play(
                 if finished is None:
                     blocked = dep
                     break
-                arrive = finished[1] + (comm if rank_of[dep[1]] != r else 0.0)
+                arrive = finished[1] + msg[rank_of[dep[1]]][r]
                 if arrive > start:
                     start = arrive
+            gate = moves.gate(r, instr) if blocked is None and moves.pending else None
+            if gate is not None:
+                if gate[1] is None:
+                    blocked = gate[0]
+                else:
+                    start = max(start, gate[1])
+                    moves.consume(r, instr)
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(r)
                 break
-            t = start + costs.duration(instr, layout)
+            d = durations.get((instr.op, instr.stage))
+            if d is None:
+                d = durations[(instr.op, instr.stage)] = costs.duration(instr, layout)
+            t = start + d
             times[node] = (start, t)
             done_order.append(node)
             ready.extend(waiting.pop(node, ()))
@@ -161,22 +212,44 @@ def play(
 
 
 def activation_profile(
-    program: Sequence[Instr], layout: Layout, costs: CostModel, recompute: bool
+    program: Sequence[Instr],
+    layout: Layout,
+    costs: CostModel,
+    recompute: bool,
+    stash_of_chunk: Sequence[float] | None = None,
 ) -> list[float]:
-    """Live activation memory after each instruction of one rank's program, in stashes."""
+    """Live activation memory after each instruction of one rank's program, in stashes.
+
+    With `stash_of_chunk` (one micro-batch's stash of each chunk, e.g. in bytes), a stage's
+    stash weighs that instead of the uniform `layout.stash_share`.
+    """
     live, out = 0.0, []
     share = layout.stash_share
     for instr in program:
-        live += costs.mem_delta(instr.op, recompute) * share
+        delta = costs.mem_delta(instr.op, recompute)
+        if delta:
+            if stash_of_chunk is not None:
+                share = stash_of_chunk[layout.stage_chunk[instr.stage]]
+            live += delta * share
         out.append(live)
     return out
 
 
-def simulate(layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostModel) -> SimResult:
-    """Simulate the programs (compute orders or lowered programs) under `costs`."""
-    times, _ = play(layout, programs, costs)
-    synced = sync_times(layout, programs, times, costs)
+def simulate(
+    layout: Layout,
+    programs: Sequence[Sequence[Instr]],
+    costs: CostModel,
+    played: Played | None = None,
+) -> SimResult:
+    """Simulate the programs (compute orders or lowered programs) under `costs`.
+
+    `played` reuses a `play` of the same compute orders when the programs move no stash
+    (lowering keeps the orders), saving a pass.
+    """
     recompute = uses_recompute(programs)
+    moves = Transfers(layout, costs, recompute)
+    times, _ = played or play(layout, programs, costs, moves)
+    synced = sync_times(layout, programs, times, costs)
     timeline, ranks = [], []
     for r, prog in enumerate(programs):
         slots = tuple(
@@ -185,12 +258,19 @@ def simulate(layout: Layout, programs: Sequence[Sequence[Instr]], costs: CostMod
         busy = sum(s.end - s.start for s in slots)
         span = slots[-1].end - slots[0].start if slots else 0.0
         peak = max([0.0, *activation_profile(prog, layout, costs, recompute)])
+        peak_bytes = None
+        if costs.stash_bytes:
+            # F adds mem_F stashes, which weigh the chunk's measured stash bytes.
+            per_stash = [b / costs.mem_F for b in costs.stash_bytes]
+            profile = activation_profile(prog, layout, costs, recompute, per_stash)
+            peak_bytes = round(max([0.0, *profile]))
         sync = max(0.0, synced[r] - (slots[-1].end if slots else 0.0))
         timeline.append(slots)
-        ranks.append(RankStats(busy, span, peak, layout.params_of_rank(r), sync))
+        ranks.append(RankStats(busy, span, peak, layout.params_of_rank(r), sync, peak_bytes))
     makespan = max(synced + [s[-1].end for s in timeline if s], default=0.0)
     total_busy = sum(r.busy for r in ranks)
     bubble = 1 - total_busy / (len(programs) * makespan) if makespan > 0 else 0.0
     max_span = max(r.span for r in ranks)
     span_bubble = 1 - max(r.busy for r in ranks) / max_span if max_span > 0 else 0.0
-    return SimResult(makespan, bubble, span_bubble, tuple(ranks), tuple(timeline))
+    transfers = tuple(moves.records)
+    return SimResult(makespan, bubble, span_bubble, tuple(ranks), tuple(timeline), transfers)

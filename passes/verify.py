@@ -8,7 +8,9 @@
    ranks of the pair meet at it (a blocking rendezvous), and each side has finished all of
    that stage's backward work by then.
 4. Each rank's peak live activations, counted stash by stash, equal what the simulator reports
-   and stay within the user's memory limit.
+   and stay within the user's memory limit. Stash moves (BPipe) count where the stash is: an
+   EVICT frees it on the evictor, ACCEPT holds it on the acceptor until RETURN, LOAD brings it
+   back; `passes/residency.py` checks that no stash is used while evicted.
 
 Invariants 2 and 3 are checked together by executing the programs under blocking semantics
 in one O(n) worklist pass. A violation is a `VerifyError` naming rank, position, instruction.
@@ -20,9 +22,11 @@ from collections.abc import Sequence
 
 from passes import replicas
 from passes.costs import CostModel
+from passes.residency import check_residency
 from passes.simulate import uses_recompute
 from pipec.ir import (
     COMPUTE_OPS,
+    MEMORY_OPS,
     RECV_OPS,
     SEND_OPS,
     Compiled,
@@ -31,8 +35,13 @@ from pipec.ir import (
     Op,
     PipecError,
     dependencies,
+    dependency_memo,
     fused_backwards,
 )
+
+
+#: Ops that meet a counterpart on a peer rank (a replica all-reduce only when it names one).
+MESSAGE_LIKE = SEND_OPS | RECV_OPS | MEMORY_OPS | {Op.ALLREDUCE_GRADS}
 
 
 class VerifyError(PipecError):
@@ -56,6 +65,7 @@ def verify(
     """
     check_coverage(compiled)
     check_execution(compiled)
+    check_residency(compiled)
     check_memory(compiled, costs, peaks, memory_limit)
 
 
@@ -135,10 +145,16 @@ def _fused(compiled: Compiled) -> frozenset[tuple[int, int]]:
     return frozenset((s, i) for pl in layout.pipelines for s in pl.stages for i in pl.mbs)
 
 
-def _counterpart(instr: Instr, rank: int, compiled: Compiled) -> Instr:
-    """The instruction the peer must execute to match a send or receive."""
+#: The half each stash-move instruction is matched with on the peer.
+_MEMORY_PAIR = {Op.EVICT: Op.ACCEPT, Op.ACCEPT: Op.EVICT, Op.LOAD: Op.RETURN, Op.RETURN: Op.LOAD}
+
+
+def counterpart(instr: Instr, rank: int, compiled: Compiled) -> Instr:
+    """The instruction the peer must execute to match a send, receive or stash move."""
     layout = compiled.layout
     s = instr.stage
+    if instr.op in MEMORY_OPS:
+        return Instr(_MEMORY_PAIR[instr.op], s, instr.mb, rank)
     if instr.op is Op.SEND_ACT:
         return Instr(Op.RECV_ACT, layout.next_stage(s), instr.mb, rank)
     if instr.op is Op.RECV_ACT:
@@ -148,12 +164,19 @@ def _counterpart(instr: Instr, rank: int, compiled: Compiled) -> Instr:
     return Instr(Op.SEND_GRAD, layout.next_stage(s), instr.mb, rank)
 
 
-def _message_peer_error(instr: Instr, compiled: Compiled) -> str | None:
+def _message_peer_error(instr: Instr, rank: int, compiled: Compiled) -> str | None:
     """Why a send/receive names the wrong peer or a stage with no such neighbour, if it does."""
     layout = compiled.layout
     s = instr.stage
     if s is None or instr.mb is None or instr.peer is None or not 0 <= s < layout.n_stages:
         return "needs a valid s=, mb= and peer"
+    if instr.op in MEMORY_OPS:  # the evictor holds the stage; the acceptor is another rank
+        evictor = rank if instr.op in (Op.EVICT, Op.LOAD) else instr.peer
+        if not 0 <= instr.peer < compiled.world or instr.peer == rank:
+            return f"the peer must be another rank of the {compiled.world}"
+        if layout.stage_rank[s] != evictor:
+            return f"stage {s} is on rank {layout.stage_rank[s]}, not on the evicting one {evictor}"
+        return None
     other = layout.next_stage(s) if instr.op in (Op.SEND_ACT, Op.RECV_GRAD) else layout.prev_stage(s)
     if other is None:
         return f"stage {s} has no neighbour in that direction"
@@ -174,9 +197,12 @@ def check_execution(compiled: Compiled) -> None:
     waiters: list[set[int]] = [set() for _ in range(n)]  # ranks blocked on each rank's progress
     ready = set(range(n))
 
+    mixed = fused_backwards(programs)  # None unless fused and split backwards mix
+    memo = dependency_memo(layout, recompute, mixed)
+
     def step_compute(r: int, instr: Instr) -> None:
         node = (instr.op, instr.stage, instr.mb)
-        for dep in dependencies(layout, node, recompute, fused):
+        for dep in memo.get(node) or dependencies(layout, node, recompute, mixed):
             if dep not in available[r]:
                 what = "computed" if rank_of[dep[1]] == r else f"received from rank {rank_of[dep[1]]}"
                 raise VerifyError(
@@ -193,7 +219,7 @@ def check_execution(compiled: Compiled) -> None:
             instr = prog[pos[r]]
             if instr.op in COMPUTE_OPS:
                 step_compute(r, instr)
-            elif instr.op in SEND_OPS or instr.op in RECV_OPS or instr.op is Op.ALLREDUCE_GRADS:
+            elif instr.op in MESSAGE_LIKE and (instr.op is not Op.ALLREDUCE_GRADS or instr.peer is not None):
                 if instr.op is Op.ALLREDUCE_GRADS:
                     other, delivery = _sync_rendezvous(r, pos[r], instr, layout, available, fused)
                 else:
@@ -226,12 +252,15 @@ def check_execution(compiled: Compiled) -> None:
 
 def _message(
     r: int, pos: int, instr: Instr, compiled: Compiled, available: list[set], fused: frozenset
-) -> tuple[Instr, tuple[int, tuple]]:
-    """A send or receive: the peer's counterpart, and (receiving rank, node it delivers)."""
-    bad = _message_peer_error(instr, compiled)
+) -> tuple[Instr, tuple[int, tuple] | None]:
+    """A send, receive or stash move: the peer's counterpart, and (receiving rank, node it
+    delivers); a stash move carries no work-graph value."""
+    bad = _message_peer_error(instr, r, compiled)
     if bad:
         raise VerifyError(f"{_at(r, pos, instr)}: {bad}")
-    other = _counterpart(instr, r, compiled)
+    other = counterpart(instr, r, compiled)
+    if instr.op in MEMORY_OPS:
+        return other, None
     sending = instr.op in SEND_OPS
     send, sender, receiver = (instr, r, instr.peer) if sending else (other, instr.peer, r)
     bwd = Op.BW if (send.stage, send.mb) in fused else Op.B
@@ -278,8 +307,10 @@ def check_memory(
                 new = costs.mem_F * share
             elif instr.op is Op.B:
                 new = -costs.mem_W * share  # what W still needs after the input gradient
-            elif instr.op in (Op.W, Op.BW):
+            elif instr.op in (Op.W, Op.BW, Op.EVICT, Op.RETURN):
                 new = 0.0
+            elif instr.op in (Op.LOAD, Op.ACCEPT):  # the stash as F left it, here again
+                new = costs.stash_size(recompute) * share
             else:
                 continue
             live += new - stash.get(key, 0.0)

@@ -5,6 +5,8 @@
     OUT/stats.json          simulated makespan, bubbles, per-rank busy/span/peak
     OUT/timeline.json       the simulated run as a Chrome/Perfetto trace
     OUT/schedule.svg        a Gantt chart of the simulated run
+    OUT/launch.py           with a model: `torchrun --nproc-per-node P OUT/launch.py` trains
+    OUT/measured/           written by the runtime: measured timeline and peak stash bytes
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from codegen.render import chrome_trace, dump_json, render_program, render_svg
+from codegen.render import chrome_trace, dump_json, render_launch, render_program, render_svg
 from passes.costs import CostModel
-from pipec.compile import PLAN_FORMAT, CompileResult, plan_hash
+from pipec.compile import PLAN_FORMAT, CompileResult, gc_paused, plan_hash
 from pipec.ir import FORMAT_VERSION, Compiled, Layout, PipecError
 from pipec.textform import Header, parse_program
 
@@ -40,11 +42,21 @@ def render_files(result: CompileResult) -> dict[str, str]:
         header = Header(FORMAT_VERSION, rank, c.world, c.schedule, c.p, c.m, c.v, result.plan_hash)
         files[rank_file(rank)] = render_program(header, program)
     stats = {"schedule": c.schedule, "p": c.p, "m": c.m, "v": c.v, "memory_unit": "stashes"}
+    if result.costs.stash_bytes:
+        stats["stash_bytes_per_chunk"] = list(result.costs.stash_bytes)
     stats |= result.sim.to_json()
     files["plan.json"] = result.plan_text
     files["stats.json"] = dump_json(stats)
-    files["timeline.json"] = json.dumps(chrome_trace(result.sim, title(result)), sort_keys=True)
+    # Event dicts are built in a fixed key order, so plain dumps is deterministic (and fast).
+    files["timeline.json"] = json.dumps(chrome_trace(result.sim.timeline, title(result)))
     files["schedule.svg"] = render_svg(result.sim, title(result))
+    model = result.plan["model"]
+    if model is not None:  # only a build with a model can train
+        dp = result.plan.get("dp", 1)
+        files["launch.py"] = render_launch(
+            {"spec": model["spec"], "schedule": c.schedule, "p": c.p, "m": c.m, "v": c.v,
+             "world": c.world, "dp": dp, "nproc": c.world * dp, "plan": result.plan_hash}
+        )
     return files
 
 
@@ -61,7 +73,9 @@ def emit(result: CompileResult, out: Path, force: bool = False) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        for name, text in render_files(result).items():
+        with gc_paused():
+            files = render_files(result)
+        for name, text in files.items():
             (tmp / name).write_text(text)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")

@@ -8,39 +8,116 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
-from codegen.render import terminal_gantt
-from passes.costs import CostModel, parse_costs, parse_mem
+from codegen.render import measured_table, terminal_gantt
+from passes.costs import parse_costs, parse_mem
+from passes.placement import MAPPINGS
 from passes.registry import SCHEDULES, family
 from passes.simulate import SimResult, simulate
+from passes.topology import Topology, make_topology
 from passes.verify import verify
 from pipec.build_dir import emit, load
 from pipec.compile import CompileResult, compile_schedule
-from pipec.ir import PipecError
+from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
+from pipec.ir import Layout, PipecError
+from pipec.model import compile_model
 
 
 def _schedule_options(fn: Callable) -> Callable:
     """The options shared by `compile` and `simulate`."""
     options = [
-        click.option("--schedule", "-s", required=True, help="Schedule family (see `pipec schedules`)."),
-        click.option("--pp", "-p", type=int, required=True, help="Pipeline ranks p."),
-        click.option("--microbatches", "-m", type=int, required=True, help="Micro-batches m."),
+        click.option("--schedule", "-s", help="Schedule family (see `pipec schedules`)."),
+        click.option("--from-torch", metavar="CLASS", help="Or torch's order, e.g. Schedule1F1B."),
+        click.option("--from-torch-csv", type=Path, help="Or a torch per-rank action CSV."),
+        click.option("--pp", "-p", type=int, help="Pipeline ranks p (a CSV gives its own)."),
+        click.option("--microbatches", "-m", type=int, help="Micro-batches m (ditto)."),
         click.option("--chunks", "-v", type=int, default=None, help="Chunks per rank v (default: the family's)."),
         click.option("--costs", default="", help="Per-op costs, e.g. F=1,B=1,W=1,comm=0 (F=1:2:1:1 per chunk)."),
         click.option("--mem", default="", help="Memory per op in stashes, e.g. F=1,W=-0.5 (B nets the rest)."),
-        click.option("--memory-limit", type=float, default=None, help="Peak activations cap per rank, in stashes."),
+        click.option("--memory-limit", type=float, default=None, help="Peak activations cap per rank, in stashes (--evict: evict down to it)."),
+        click.option("--evict", is_flag=True, help="BPipe: evict stashes to a partner rank to meet --memory-limit (alone: the smallest feasible limit)."),
+        click.option("--nodes", type=int, default=None, help="Nodes the pipeline spans (one rank per GPU)."),
+        click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: --pp / --nodes)."),
+        click.option("--link", default="", help="Links as BANDWIDTH:LATENCY (stashes per time unit : time), e.g. intra=4:0.01,inter=0.4:0.05."),
+        click.option("--mapping", type=click.Choice(MAPPINGS), default="sequential", show_default=True, help="Rank-to-device placement; auto keeps the fastest."),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
-def _compile(schedule, pp, microbatches, chunks, costs, mem, memory_limit) -> CompileResult:
-    model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
-    return compile_schedule(schedule, pp, microbatches, chunks, model, memory_limit)
+def _compile(
+    schedule, from_torch, from_torch_csv, pp, microbatches, chunks, costs, mem, memory_limit,
+    evict, nodes, gpus_per_node, link, mapping,
+    model=None, partition=None, profile=False, dp=1,
+) -> CompileResult:
+    cost_model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
+    if sum(x is not None for x in (schedule, from_torch, from_torch_csv)) != 1:
+        raise click.UsageError("give one of --schedule, --from-torch or --from-torch-csv")
+    if model is None and (partition is not None or profile):
+        raise PipecError("--partition and --profile need a MODEL (path/to/file.py:factory)")
+    if model is not None and schedule is None:
+        raise PipecError("a MODEL compiles with --schedule; imported torch orders take no MODEL yet")
+    if (evict or mapping != "sequential") and schedule is None:
+        raise PipecError("--evict and --mapping work with --schedule; not on imported torch orders yet")
+    if from_torch_csv is not None:
+        return compile_torch_csv(
+            from_torch_csv, cost_model, memory_limit, (pp, microbatches, chunks)
+        )
+    for flag, value in (("--pp", pp), ("--microbatches", microbatches)):
+        if value is None:
+            raise click.UsageError(f"Missing option '{flag}'.")
+    cost_model = replace(cost_model, topology=make_topology(pp, nodes, gpus_per_node, link))
+    if from_torch is not None:
+        result, notes = compile_torch_class(
+            from_torch, pp, microbatches, chunks, cost_model, memory_limit
+        )
+        for note in notes:
+            click.echo(f"pipec: note: {note}", err=True)
+        return result
+    if model is None:
+        return compile_schedule(
+            schedule, pp, microbatches, chunks, cost_model, memory_limit, dp=dp, evict=evict,
+            mapping=mapping,
+        )
+    return compile_model(
+        model, schedule, pp, microbatches, chunks, cost_model, memory_limit,
+        partition or "balanced", profile, dp, evict, mapping,
+    )
+
+
+def _eviction(sim: SimResult, topology: Topology | None, limit: float | None) -> dict:
+    """What eviction did in one iteration, for printing and for --json."""
+    g = topology.gpus_per_node if topology else None
+    inter = sum(t.size for t in sim.transfers if g and t.src // g != t.dst // g)
+    return {
+        "memory_limit": limit,
+        "evicted": sum(t.kind == "evict" for t in sim.transfers),
+        "moved_stashes": round(sim.moved, 9),
+        "moved_inter_node": round(inter, 9),
+    }
+
+
+def _eviction_line(sim: SimResult, topology: Topology | None, limit: float | None) -> str:
+    figures = _eviction(sim, topology, limit)
+    return (
+        f"evict: limit {figures['memory_limit']:g} stashes per rank; {figures['evicted']} "
+        f"stashes evicted and loaded back, {figures['moved_stashes']:g} stash units moved per "
+        f"iteration ({figures['moved_inter_node']:g} over inter-node links)"
+    )
+
+
+def _placement_table(layout: Layout, topology: Topology | None) -> str:
+    g = topology.gpus_per_node if topology else layout.p
+    lines = [f"{'stage':>5}  {'rank':>4}  {'node':>4}  {'gpu':>3}"]
+    for s, r in enumerate(layout.stage_rank):
+        node, gpu = divmod(r, g)
+        lines.append(f"{s:>5}  {r:>4}  {node:>4}  {gpu:>3}")
+    return "\n".join(lines)
 
 
 def _rank_table(sim: SimResult) -> str:
@@ -72,11 +149,24 @@ def schedules() -> None:
 
 
 @cli.command("compile")
+@click.argument("model", required=False)
 @_schedule_options
+@click.option(
+    "--partition", default=None,
+    help="With MODEL: uniform, balanced (default) or blocks per stage, e.g. 3,2,2,1.",
+)
+@click.option(
+    "--profile", is_flag=True,
+    help="With MODEL: time each stage's F/B/W here instead of estimating FLOPs.",
+)
+@click.option(
+    "--dp", type=int, default=1, show_default=True,
+    help="Data-parallel copies of the pipeline (world = p·dp).",
+)
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("build"), show_default=True)
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
 def compile_cmd(out: Path, force: bool, **opts) -> None:
-    """Compile a schedule into verified per-rank programs in OUT."""
+    """Compile a schedule (for MODEL, path/to/file.py:factory, if given) into programs in OUT."""
     result = _compile(**opts)
     emit(result, out, force)
     sim = result.sim
@@ -84,6 +174,8 @@ def compile_cmd(out: Path, force: bool, **opts) -> None:
         f"wrote {out}/: {result.compiled.world} rank programs, plan {result.plan_hash}; "
         f"makespan {sim.makespan:.6g}, bubble {sim.bubble:.4f}, span_bubble {sim.span_bubble:.4f}"
     )
+    if result.plan.get("evict"):
+        click.echo(_eviction_line(sim, result.costs.topology, result.plan["memory_limit"]))
 
 
 @cli.command("simulate")
@@ -92,12 +184,20 @@ def compile_cmd(out: Path, force: bool, **opts) -> None:
 def simulate_cmd(as_json: bool, **opts) -> None:
     """Simulate a schedule and print per-rank figures; writes nothing."""
     result = _compile(**opts)
+    evicted, limit = result.plan.get("evict"), result.plan["memory_limit"]
+    topology = result.costs.topology
     if as_json:
         c = result.compiled
         out = {"schedule": c.schedule, "p": c.p, "m": c.m, "v": c.v} | result.sim.to_json()
+        if evicted:
+            out |= _eviction(result.sim, topology, limit)
+        if "mapping" in result.plan:
+            out["mapping"] = result.plan["mapping"]
         click.echo(json.dumps(out, sort_keys=True))
     else:
         click.echo(_rank_table(result.sim))
+        if evicted:
+            click.echo(_eviction_line(result.sim, topology, limit))
 
 
 @cli.command()
@@ -117,7 +217,13 @@ def show(directory: Path, lines: int, width: int) -> None:
             click.echo(f"  ... {len(program) - len(shown)} more (--lines 0 shows all)")
     sim = simulate(c.layout, c.programs, build.costs)
     click.echo(_rank_table(sim))
+    if build.plan.get("evict"):
+        click.echo(_eviction_line(sim, build.costs.topology, build.plan["memory_limit"]))
+    click.echo(_placement_table(c.layout, build.costs.topology))
     click.echo(terminal_gantt(sim, width))
+    measured = directory / "measured" / "stats.json"
+    if measured.is_file():  # written by a run of OUT/launch.py
+        click.echo(measured_table(json.loads(measured.read_text())))
 
 
 @cli.command("verify")
@@ -126,13 +232,78 @@ def verify_cmd(directory: Path) -> None:
     """Check a build's programs against the invariants; exit 2 on any violation."""
     build = load(directory)
     c = build.compiled
-    sim = simulate(c.layout, c.programs, build.costs)
     verify(c, build.costs, None, build.plan.get("memory_limit"))
+    sim = simulate(c.layout, c.programs, build.costs)
     n = sum(len(p) for p in c.programs)
     click.echo(
         f"ok: {c.world} ranks, {n} instructions verified (coverage, dependencies, "
         f"deadlock-free matching, memory); makespan {sim.makespan:.6g}"
     )
+
+
+def _csv(text: str, what: str, kind: type = str) -> list:
+    """A comma-separated option as a list; one line naming the option when an item is bad."""
+    try:
+        return [kind(t.strip()) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise PipecError(f"{what} '{text}': expected a comma-separated list, e.g. 1,2,4") from None
+
+
+@cli.command("plan")
+@click.argument("model")
+@click.option("--pp", "-p", type=int, required=True, help="Pipeline ranks p.")
+@click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel copies.")
+@click.option("--global-batch", "-B", type=int, required=True, help="Samples per iteration, all copies.")
+@click.option("--memory-per-device", required=True, help="Memory per device: 80GiB, 512MiB or bytes.")
+@click.option("--peak-tflops", type=float, default=None, help="Device peak for MFU (default: measured GEMM).")
+@click.option("--schedules", default="", help="Families to consider, e.g. 1f1b,interleaved (default: all).")
+@click.option("--strategies", default="", help="Memory strategies, e.g. plain,recompute (default: all).")
+@click.option("--mbs", default="", help="Micro-batch sizes to profile (default: 1,2,4,… up to the batch).")
+@click.option("--time-budget", type=float, default=60.0, show_default=True, help="Profiling seconds.")
+@click.option("--runs", type=int, default=3, show_default=True, help="Timed runs per op (median).")
+@click.option("--comm", type=float, default=0.0, show_default=True, help="Seconds per cross-rank transfer.")
+@click.option("--threads", type=int, default=None, help="CPU threads while profiling (one rank's share).")
+@click.option("--top", type=int, default=10, show_default=True, help="Rows printed.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
+def plan_cmd(model: str, memory_per_device: str, peak_tflops: float | None, schedules: str,
+             strategies: str, mbs: str, threads: int | None, top: int, as_json: bool,
+             **opts) -> None:
+    """Profile MODEL at several micro-batch sizes; rank schedule × mbs × memory strategy."""
+    from pipec.plan.candidates import PlanRequest
+    from pipec.plan.driver import plan_model
+    from pipec.plan.memory import parse_bytes
+    from pipec.plan.report import render_json, render_text
+
+    req = PlanRequest(
+        opts["pp"], opts["global_batch"], parse_bytes(memory_per_device), opts["dp"],
+        tuple(_csv(schedules, "--schedules")), tuple(_csv(strategies, "--strategies")),
+        opts["comm"],
+    )
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    plan = plan_model(
+        model, req, mbs=_csv(mbs, "--mbs", int), time_budget=opts["time_budget"],
+        runs=opts["runs"], peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
+    )
+    click.echo(json.dumps(render_json(plan), sort_keys=True) if as_json else render_text(plan, top))
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["torch-csv"]), default="torch-csv")
+@click.option("--out", "-o", required=True, help="File to write ('-': standard output).")
+@click.option("--comms", is_flag=True, help="Add sends, receives, REDUCE_GRAD (compute_comms).")
+def export(directory: Path, fmt: str, out: str, comms: bool) -> None:
+    """Write a build's programs in torch.distributed.pipelining's per-rank action CSV."""
+    text = export_torch_csv(directory, comms)
+    if out == "-":
+        click.echo(text, nl=False)
+        return
+    Path(out).write_text(text, newline="")
+    kind = "compute_comms" if comms else "compute_only"
+    click.echo(f"wrote {out}: {fmt}, for _PipelineScheduleRuntime._load_csv(path, format='{kind}')")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,7 +8,7 @@ Everything here is a frozen value so results compare with `==` (golden tests, ro
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -45,7 +45,8 @@ class Op(enum.Enum):
     EVICT = "EVICT"
     """Send the stash of (stage, mb) to the acceptor `peer` and free it here."""
     LOAD = "LOAD"
-    """Ask the acceptor `peer` for the stash of (stage, mb) back, ahead of its backward."""
+    """Post the receive of the stash of (stage, mb) that the acceptor `peer` RETURNs, ahead of
+    its backward (a prefetch); the first op that reads the stash waits for it to arrive."""
     ACCEPT = "ACCEPT"
     """Receive and hold the stash of (stage, mb) evicted by `peer`."""
     RETURN = "RETURN"
@@ -74,8 +75,11 @@ class Op(enum.Enum):
 COMPUTE_OPS = frozenset({Op.F, Op.B, Op.W, Op.BW, Op.RECOMPUTE})
 SEND_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD})
 RECV_OPS = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
+#: BPipe's stash moves: EVICT/ACCEPT and RETURN/LOAD are matched pairs between two ranks.
+MEMORY_OPS = frozenset({Op.EVICT, Op.LOAD, Op.ACCEPT, Op.RETURN})
 #: Ops whose peer field is the destination (printed `to=`); the others print `from=`.
 TO_PEER_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.EVICT, Op.RETURN, Op.ALLREDUCE_GRADS})
+_OP_NAME = {op: op.value for op in Op}  # Enum's .value is a slow descriptor on hot paths
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,14 +92,14 @@ class Instr:
     peer: int | None = None
 
     def __str__(self) -> str:
-        parts = [self.op.value]
+        text = _OP_NAME[self.op]
         if self.stage is not None:
-            parts.append(f"s={self.stage}")
+            text += f" s={self.stage}"
         if self.mb is not None:
-            parts.append(f"mb={self.mb}")
+            text += f" mb={self.mb}"
         if self.peer is not None:
-            parts.append(f"{'to' if self.op in TO_PEER_OPS else 'from'}={self.peer}")
-        return " ".join(parts)
+            text += f" {'to' if self.op in TO_PEER_OPS else 'from'}={self.peer}"
+        return text
 
 
 Program = tuple[Instr, ...]
@@ -167,6 +171,11 @@ class Layout:
     @cached_property
     def pipeline_of_mb(self) -> dict[int, int]:
         return {mb: i for i, pl in enumerate(self.pipelines) for mb in pl.mbs}
+
+    @cached_property
+    def _dependency_cache(self) -> dict[tuple, dict]:
+        """Memos for `dependencies`, one per (recompute, fused)."""
+        return {}
 
     def stages_of_rank(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_rank) if r == rank)
@@ -259,30 +268,52 @@ def dependencies(
     node: tuple[Op, int, int],
     recompute: bool = False,
     fused: frozenset[tuple[int, int]] | None = None,
-) -> Iterator[tuple[Op, int, int]]:
+) -> tuple[tuple[Op, int, int], ...]:
     """Predecessors of compute node (op, stage, mb) in the work graph (DESIGN.md's edges).
 
     F(s,i)<-F(prev,i); B(last,i)<-F(last,i); B(s,i)<-B(next,i), F(s,i); W(s,i)<-B(s,i).
     A fused BW follows the same edges as B (its upstream backward is a BW too, unless
     `fused` — see fused_backwards — says which backwards are fused); with recompute, the
     backward also waits for RECOMPUTE(s,i), which waits for F(s,i).
+    Memoised per layout: every pass asks for the same nodes' predecessors.
     """
+    cache = dependency_memo(layout, recompute, fused)
+    deps = cache.get(node)
+    if deps is None:
+        deps = cache[node] = _dependencies(layout, node, recompute, fused)
+    return deps
+
+
+def dependency_memo(
+    layout: Layout, recompute: bool, fused: frozenset[tuple[int, int]] | None
+) -> dict[tuple[Op, int, int], tuple[tuple[Op, int, int], ...]]:
+    """The memo `dependencies` fills for (recompute, fused); hot loops read it inline."""
+    return layout._dependency_cache.setdefault((recompute, fused), {})
+
+
+def _dependencies(
+    layout: Layout,
+    node: tuple[Op, int, int],
+    recompute: bool,
+    fused: frozenset[tuple[int, int]] | None,
+) -> tuple[tuple[Op, int, int], ...]:
     op, s, i = node
     if op is Op.F:
         prev = layout.prev_stage(s)
-        if prev is not None:
-            yield (Op.F, prev, i)
-    elif op is Op.RECOMPUTE:
-        yield (Op.F, s, i)
-    elif op in (Op.B, Op.BW):
+        return () if prev is None else ((Op.F, prev, i),)
+    if op is Op.RECOMPUTE:
+        return ((Op.F, s, i),)
+    if op is Op.B or op is Op.BW:
         nxt = layout.next_stage(s)
-        if nxt is not None:
-            yield (op if fused is None else Op.BW if (nxt, i) in fused else Op.B, nxt, i)
-        yield (Op.F, s, i)
-        if recompute:
-            yield (Op.RECOMPUTE, s, i)
-    elif op is Op.W:
-        yield (Op.B, s, i)
+        if nxt is None:
+            deps: tuple[tuple[Op, int, int], ...] = ((Op.F, s, i),)
+        else:
+            up = op if fused is None else Op.BW if (nxt, i) in fused else Op.B
+            deps = ((up, nxt, i), (Op.F, s, i))
+        return deps + ((Op.RECOMPUTE, s, i),) if recompute else deps
+    if op is Op.W:
+        return ((Op.B, s, i),)
+    return ()
 
 
 def work_graph(layout: Layout, split_bw: bool, recompute: bool = False) -> nx.DiGraph:

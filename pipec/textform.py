@@ -19,7 +19,7 @@ from pipec.ir import FORMAT_VERSION, TO_PEER_OPS, Instr, Op, PipecError, Program
 TITLE = "# pipec program"
 _HEADER = re.compile(
     r"^# version=(?P<version>\d+) rank=(?P<rank>\d+) world=(?P<world>\d+) "
-    r"schedule=(?P<schedule>[\w.-]+) p=(?P<p>\d+) m=(?P<m>\d+) v=(?P<v>\d+) "
+    r"schedule=(?P<schedule>[\w.:-]+) p=(?P<p>\d+) m=(?P<m>\d+) v=(?P<v>\d+) "
     r"plan=(?P<plan>[0-9a-f]{16})$"
 )
 _INSTR = re.compile(

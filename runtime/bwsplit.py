@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runtime.stash import tensors_nbytes
+
 _QUEUE_ATTR = "weight_grad_queue"
 
 
@@ -65,6 +67,10 @@ class WeightGradQueue:
             raise RuntimeError(f"W for micro-batch {mb} before its B (pending: {self.pending})")
         for linear, x, dy in self._pending.pop(mb):
             _accumulate_weight_grad(linear, x, dy)
+
+    def held_bytes(self, mb: int) -> int:
+        """Bytes the queued work of `mb` keeps alive until W: its inputs and output gradients."""
+        return tensors_nbytes([t for _, x, dy in self._pending.get(mb, ()) for t in (x, dy)])
 
     @property
     def pending(self) -> list[int]:
@@ -174,3 +180,8 @@ def B(
 def W(stage: nn.Module, mb: int) -> None:
     """Weight-gradient backward of micro-batch `mb`: run its queued GEMMs into `.grad`."""
     _queue(stage).run(mb)
+
+
+def held_bytes(stage: nn.Module, mb: int) -> int:
+    """Bytes W(stage, mb) still needs after B: what Qi et al. call M_W, measured."""
+    return _queue(stage).held_bytes(mb)

@@ -7,4 +7,9 @@ from passes.schedules import (  # noqa: F401
     gpipe,
     interleaved,
     one_f_one_b,
+    v_adaptive,
+    vshape,
+    zb_auto,
+    zb_v,
+    zero_bubble,
 )

@@ -28,16 +28,18 @@ def _check(req: Request) -> str | None:
 def interleaved(req: Request) -> Schedule:
     p, m, v = req.p, req.m, req.v
     layout = single_pipeline(p, m, stage_ranks(interleaved_mapping, p * v, p))
+
+    def unit(r: int, k: int, backward: bool) -> tuple[int, int]:
+        """(stage, mb) of rank r's k-th virtual micro-batch: groups of p micro-batches walk
+        through the chunks in turn (backwards from the last chunk)."""
+        chunk = (k // p) % v
+        if backward:
+            chunk = v - 1 - chunk
+        return chunk * p + r, (k // (p * v)) * p + k % p
+
     orders = []
     for r in range(p):
-        # Virtual micro-batch k walks groups of p micro-batches through the chunks in turn.
-        def unit(k: int, backward: bool) -> tuple[int, int]:
-            chunk = (k // p) % v
-            if backward:
-                chunk = v - 1 - chunk
-            return chunk * p + r, (k // (p * v)) * p + k % p
-
-        forwards = [Instr(Op.F, *unit(k, False)) for k in range(m * v)]
-        backwards = [Instr(Op.BW, *unit(k, True)) for k in range(m * v)]
+        forwards = [Instr(Op.F, *unit(r, k, False)) for k in range(m * v)]
+        backwards = [Instr(Op.BW, *unit(r, k, True)) for k in range(m * v)]
         orders.append(tuple(one_f_one_b(forwards, backwards, warmup=2 * (p - 1 - r) + (v - 1) * p)))
     return Schedule("interleaved", p, m, v, layout, tuple(orders))

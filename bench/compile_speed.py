@@ -1,0 +1,51 @@
+"""Compile time as p and m grow: schedule -> lowered, simulated, verified programs on disk.
+
+    python bench/compile_speed.py [--schedule 1f1b] [--repeat 3]
+
+Prints the median wall time of `compile_schedule` + `emit` (every output file written) per
+(p, m), and the time per compute op, whose flatness shows growth linear in p·m.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from pipec.build_dir import emit
+from pipec.compile import compile_schedule
+
+SHAPES = [(4, 64), (8, 128), (16, 256), (32, 512), (64, 256), (64, 512), (64, 1024)]
+
+
+def measure(schedule: str, p: int, m: int, repeat: int) -> tuple[float, float]:
+    """Median seconds of compile (verify included) and of emit, over `repeat` runs."""
+    compile_s, emit_s = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            result = compile_schedule(schedule, p, m)
+            t1 = time.perf_counter()
+            emit(result, Path(tmp) / "out", force=True)
+            compile_s.append(t1 - t0)
+            emit_s.append(time.perf_counter() - t1)
+    return statistics.median(compile_s), statistics.median(emit_s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    print(f"schedule {args.schedule}, median of {args.repeat} runs")
+    print(f"{'p':>4} {'m':>6} {'ops':>8} {'compile s':>10} {'emit s':>8} {'total s':>8} {'µs/op':>7}")
+    for p, m in SHAPES:
+        c, e = measure(args.schedule, p, m, args.repeat)
+        ops = 2 * p * m  # compute ops of a fused-backward schedule
+        print(f"{p:>4} {m:>6} {ops:>8} {c:>10.3f} {e:>8.3f} {c + e:>8.3f} {1e6 * (c + e) / ops:>7.1f}")
+
+
+if __name__ == "__main__":
+    main()

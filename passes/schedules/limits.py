@@ -1,0 +1,32 @@
+"""Refusing a --memory-limit that a fixed schedule cannot meet, with the figure that would do.
+
+A family whose peak is fixed by its design (ZB-H1, ZB-H2, the V-shape blocks) cannot trade
+time for memory; the verifier would reject its program at the first instruction over the
+limit. Saying the schedule's peak instead tells the user what to ask for.
+"""
+
+from passes.costs import CostModel
+from passes.registry import Request
+from passes.simulate import activation_profile
+from pipec.ir import PipecError, Schedule
+
+
+def peak_stashes(sched: Schedule, costs: CostModel) -> float:
+    """The largest per-rank peak of live activations under the cost model, in stashes."""
+    return max(
+        max(activation_profile(order, sched.layout, costs, False), default=0.0)
+        for order in sched.orders
+    )
+
+
+def refuse_over_limit(sched: Schedule, req: Request, instead: str) -> Schedule:
+    """`sched`, unless its peak exceeds --memory-limit: then one line naming the peak."""
+    if req.memory_limit is None:
+        return sched
+    top = peak_stashes(sched, req.costs)
+    if top > req.memory_limit + 1e-9:
+        raise PipecError(
+            f"{sched.name} peaks at {top:g} stashes at p={sched.p}, m={sched.m}: --memory-limit "
+            f"{req.memory_limit:g} is below it; use at least {top:g}, or {instead}"
+        )
+    return sched

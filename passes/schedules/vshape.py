@@ -1,0 +1,90 @@
+"""V-Min, V-Half and V-ZB: the controllable-memory V-shape schedules (Qi et al., NeurIPS 2024).
+
+Each is one building block (vblocks) turned into a schedule by repeat-squeeze-reorder
+(vreorder). The blocks differ in how far apart micro-batch 0's passes are on consecutive
+ranks; the lifespan of a stage (its F to its W) bounds its rank's memory, so the spacing sets
+the memory: V-Min about a third of 1F1B's, V-Half a half, V-ZB all of it (and zero bubble).
+Start slots on rank r (d = p), from the reference implementation:
+
+    V-Min:  F = r,  f = 2d-1-r, B = 2d+I+r,    b = 4d+I-1-r,  I = 2 if d % 3 == 0 else 0
+    V-Half: F = 2r, f = 3d-2-r, B = 3d+I+2r-1, b = 6d+I-2-r,  I = 3 if d is even else 0
+    V-ZB:   F = 5r, f = 6d-5-r, B = 6d-4+5r,   b = 12d-9-r
+
+(I moves the backward so that no two passes of a rank share a slot modulo 6.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from passes.mapping import stage_ranks, v_shape
+from passes.registry import Request, only_v, schedule
+from passes.schedules.limits import refuse_over_limit
+from passes.schedules.vblocks import Block, Orders, T, block_from_residues, to_programs
+from passes.schedules.vreorder import build
+from pipec.ir import Schedule, single_pipeline
+
+Slots = Callable[[int, int], tuple[int, int, int, int]]
+
+
+def v_min_slots(p: int, r: int) -> tuple[int, int, int, int]:
+    i = 2 if p % 3 == 0 else 0
+    return r, 2 * p - 1 - r, 2 * p + i + r, 4 * p + i - 1 - r
+
+
+def v_half_slots(p: int, r: int) -> tuple[int, int, int, int]:
+    i = 3 if p % 2 == 0 else 0
+    return 2 * r, 3 * p - 2 - r, 3 * p + i + 2 * r - 1, 6 * p + i - 2 - r
+
+
+def v_zb_slots(p: int, r: int) -> tuple[int, int, int, int]:
+    return 5 * r, 6 * p - 5 - r, 6 * p - 4 + 5 * r, 12 * p - 9 - r
+
+
+def block_of(slots: Slots, p: int) -> Block:
+    block = block_from_residues(p, [[s % T for s in slots(p, r)] for r in range(p)])
+    assert block is not None, "the published offsets never collide"
+    return block
+
+
+def check_v(req: Request) -> str | None:
+    """The V placement needs two ranks (so that it bends) and two micro-batches."""
+    if req.p < 2:
+        return f"--pp must be at least 2 for a V placement (got {req.p})"
+    if req.m < 2:
+        return f"--microbatches must be at least 2 (got {req.m})"
+    return None
+
+
+def v_family(
+    name: str, summary: str
+) -> Callable[[Callable[[Request], Schedule]], Callable[[Request], Schedule]]:
+    """Register a V-placed family: two chunks per rank, p >= 2, m >= 2."""
+    return schedule(name, summary, default_v=2, chunks="2", checks=(only_v(2), check_v))
+
+
+def v_schedule(name: str, req: Request, orders: Orders) -> Schedule:
+    """The Schedule of V-placed orders; a --memory-limit under its peak is refused here."""
+    p = req.p
+    layout = single_pipeline(p, req.m, stage_ranks(v_shape, 2 * p, p))
+    sched = Schedule(name, p, req.m, 2, layout, to_programs(p, orders))
+    return refuse_over_limit(sched, req, "v-adaptive")
+
+
+def _family(name: str, slots: Slots, summary: str) -> None:
+    def build_family(req: Request) -> Schedule:
+        orders = build(block_of(slots, req.p), req.m)
+        assert orders is not None, f"{name} builds for every p >= 2, m >= 2"
+        return v_schedule(name, req, orders)
+
+    build_family.__doc__ = f"{name}: {summary}"
+    v_family(name, summary)(build_family)
+
+
+_family("v-min", v_min_slots, "V-shape, ~1/3 of 1F1B's activations ((p+4)//3 stashes), bubble ~4p")
+_family(
+    "v-half", v_half_slots, "V-shape, ~1/2 of 1F1B's activations ((p+2)//2 stashes), bubble ~3p"
+)
+_family(
+    "v-zb", v_zb_slots, "V-shape building block with 1F1B's activations (p stashes), zero bubble"
+)

@@ -1,0 +1,75 @@
+"""Compile a schedule for a real model: the frontend's stage facts become the cost model.
+
+The schedule's layout says how many model chunks there are (S = p·v, and how many replicas a
+bidirectional schedule holds); the frontend traces and partitions the model into that many
+stages and measures them; their F/B/W durations (in ms, the cost model's unit) and stash bytes
+drive lowering, simulation and the memory figures, and the plan goes under plan.json's "model".
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from passes.costs import CostModel
+from passes.registry import Request, build_schedule, family
+from pipec.compile import CompileResult, compile_schedule
+from pipec.ir import PipecError
+
+MS_PER_S = 1000.0
+
+
+def model_costs(model: dict, base: CostModel) -> CostModel:
+    """`base` with per-chunk F/B/W (ms) and stash bytes taken from a model plan's stages."""
+    stages = model["stages"]
+
+    def per_chunk(kind: str) -> tuple[float, ...]:
+        return tuple(s["seconds"][kind] * MS_PER_S for s in stages)
+
+    return replace(
+        base,
+        F=per_chunk("F"),
+        B=per_chunk("B"),
+        W=per_chunk("W"),
+        stash_bytes=tuple(float(s["stash_bytes"]) for s in stages),
+    )
+
+
+def compile_model(
+    spec: str,
+    schedule: str,
+    p: int,
+    m: int,
+    v: int | None = None,
+    costs: CostModel | None = None,
+    memory_limit: float | None = None,
+    partition: str = "balanced",
+    profile: bool = False,
+    dp: int = 1,
+    evict: bool = False,
+    mapping: str = "sequential",
+) -> CompileResult:
+    """Trace and measure the model of `spec` for this schedule's layout, then compile."""
+    from pipec.frontend import FrontendError, build_model_plan  # torch: only with a model
+
+    default = CostModel()
+    costs = costs or default
+    if (costs.F, costs.B, costs.W) != (default.F, default.B, default.W):
+        raise PipecError("--costs F/B/W come from the model; with MODEL give only comm=")
+    v = family(schedule).default_v if v is None else v
+    layout = build_schedule(schedule, Request(p, m, v, costs, None if evict else memory_limit)).layout
+    try:
+        plan = build_model_plan(
+            spec,
+            layout.n_chunks,
+            partition,
+            profile,
+            v=layout.n_chunks // p,
+            replicas=layout.n_stages // layout.n_chunks,
+        )
+    except FrontendError as e:
+        raise PipecError(str(e)) from None
+    model = plan.to_json()
+    return compile_schedule(
+        schedule, p, m, v, model_costs(model, costs), memory_limit, model=model, dp=dp,
+        evict=evict, mapping=mapping,
+    )

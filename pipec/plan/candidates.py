@@ -1,0 +1,247 @@
+"""Enumerate candidates (schedule × micro-batch size × memory strategy), price and simulate them.
+
+A memory strategy is a row of `STRATEGIES`: a function that turns the compile request of a
+schedule family into the request that saves memory its way, or None where it does not apply.
+Adding one (the eviction pass, an offload) is one function and one row; nothing else branches
+on its name.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from passes.costs import CostModel
+from passes.registry import SCHEDULES, Request, build_schedule, family
+from pipec.compile import compile_schedule
+from pipec.ir import Layout, PipecError
+from pipec.plan.facts import Chunks, ModelProfile
+from pipec.plan.memory import RankMemory, held_chunks, rank_memory, static_memory
+
+RECOMPUTE_SUFFIX = "-r"
+"""A family `X-r` registered beside `X` is X with full recomputation (1f1b-r)."""
+BASELINE = "1f1b"
+
+
+@dataclass(frozen=True)
+class CompileRequest:
+    """What `compile_schedule` is called with; `options` are extra keyword arguments."""
+
+    schedule: str
+    p: int
+    m: int
+    v: int
+    memory_limit: float | None = None
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule,
+            "p": self.p,
+            "m": self.m,
+            "v": self.v,
+            "memory_limit": self.memory_limit,
+            "options": dict(self.options),
+        }
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked to plan: the pipeline, the batch, the memory per device, and the
+    families and strategies to consider (empty: all)."""
+
+    p: int
+    global_batch: int
+    bytes_per_device: int
+    dp: int = 1
+    schedules: tuple[str, ...] = ()
+    strategies: tuple[str, ...] = ()
+    comm_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The memory a strategy may plan for: `stash_limit` is the most activation memory, in the
+    simulator's stash units, every rank can hold within the byte budget beside its weights."""
+
+    bytes_per_device: int
+    stash_limit: float
+
+
+Transform = Callable[[CompileRequest, Budget], CompileRequest | None]
+
+
+def _plain(req: CompileRequest, budget: Budget) -> CompileRequest | None:
+    return req
+
+
+def _recompute(req: CompileRequest, budget: Budget) -> CompileRequest | None:
+    variant = req.schedule + RECOMPUTE_SUFFIX
+    return replace(req, schedule=variant) if variant in SCHEDULES else None
+
+
+def _evict(req: CompileRequest, budget: Budget) -> CompileRequest | None:
+    # BPipe: evict only what the limit requires; the pass refuses an infeasible limit.
+    return replace(req, memory_limit=budget.stash_limit, options=(("evict", True),))
+
+
+def eviction_available() -> bool:
+    """Whether the compile driver has the eviction pass (it takes `evict=`)."""
+    return "evict" in inspect.signature(compile_schedule).parameters
+
+
+STRATEGIES: dict[str, tuple[str, Transform]] = {
+    "plain": ("the schedule as it is", _plain),
+    "recompute": ("full recomputation: stash stage inputs, re-run F before B", _recompute),
+}
+if eviction_available():
+    STRATEGIES["evict"] = ("BPipe: evict stashes to a paired rank within the budget", _evict)
+
+
+def schedule_names(requested: Sequence[str] | None) -> list[str]:
+    """The families to enumerate: the requested ones, or every registered family that is not
+    a recompute variant (those are the `recompute` strategy); the 1F1B baseline always."""
+    family(BASELINE)  # registers the built-in families
+    if requested:
+        for name in requested:
+            family(name)  # one line listing the valid names for a typo
+        names = list(requested)
+    else:
+        names = sorted(n for n in SCHEDULES if not is_recompute_variant(n))
+    return names if BASELINE in names else [BASELINE, *names]
+
+
+def is_recompute_variant(name: str) -> bool:
+    return name.endswith(RECOMPUTE_SUFFIX) and name[: -len(RECOMPUTE_SUFFIX)] in SCHEDULES
+
+
+def strategy_names(requested: Sequence[str] | None) -> list[str]:
+    if not requested:
+        return list(STRATEGIES)
+    for name in requested:
+        if name not in STRATEGIES:
+            hint = " (evict needs the BPipe eviction pass)" if name == "evict" else ""
+            raise PipecError(
+                f"--strategies: unknown strategy '{name}'{hint}; available: {', '.join(STRATEGIES)}"
+            )
+    return list(requested)
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """One compiled and simulated candidate: the request that compiles it (to reproduce it
+    with a model), its figures and per-rank memory."""
+
+    family: str
+    strategy: str
+    mbs: int
+    request: CompileRequest
+    iteration_s: float
+    bubble: float
+    memory: tuple[RankMemory, ...]
+
+    @property
+    def schedule(self) -> str:
+        return self.request.schedule
+
+    @property
+    def m(self) -> int:
+        return self.request.m
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(r.total for r in self.memory)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    family: str
+    strategy: str
+    mbs: int
+    reason: str
+
+
+@dataclass
+class Evaluation:
+    """Every candidate, split into those that fit the budget, those over it, and those the
+    schedule's rules or the strategy refused (with the reason)."""
+
+    fits: list[Evaluated] = field(default_factory=list)
+    over: list[Evaluated] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+
+
+def cost_model(chunks: Chunks, comm_s: float) -> CostModel:
+    """Per-chunk F/B/W in seconds; memory in stashes, recompute keeping the largest share of
+    its stash any chunk's input takes (conservative where chunks differ)."""
+    keep = max(i / s for i, s in zip(chunks.input_bytes, chunks.stash_bytes))
+    return CostModel(
+        F=tuple(c.F for c in chunks.seconds),
+        B=tuple(c.B for c in chunks.seconds),
+        W=tuple(c.W for c in chunks.seconds),
+        comm=comm_s,
+        mem_input=min(keep, 1.0),
+    )
+
+
+def stash_budget(layout: Layout, chunks: Chunks, bytes_per_device: int) -> float:
+    """The most stash units every rank can hold beside its weights, gradients and optimizer
+    state. A stage's stash weighs `layout.stash_share` units, so a unit of a chunk weighs its
+    stash bytes over that share; the rank's heaviest chunk prices the unit (conservative)."""
+    limits = []
+    for rank in range(layout.p):
+        static = static_memory(layout, chunks, rank).total
+        unit = max(chunks.stash_bytes[c] for c in held_chunks(layout, rank)) / layout.stash_share
+        limits.append((bytes_per_device - static) / unit)
+    return max(0.0, min(limits))
+
+
+def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
+    """Compile and simulate every candidate at every profiled micro-batch size."""
+    p, dp, bytes_per_device = req.p, req.dp, req.bytes_per_device
+    schedules, strategies = schedule_names(req.schedules), strategy_names(req.strategies)
+    out = Evaluation()
+    seen: dict[tuple[int, tuple], str] = {}  # (mbs, programs) -> strategy that produced them
+    for mbs in profile.sizes:
+        m = req.global_batch // (mbs * dp)
+        for name in schedules:
+            v = family(name).default_v
+            try:
+                layout = build_schedule(name, Request(p, m, v)).layout
+                chunks = profile.chunks(layout.n_chunks, mbs)
+            except PipecError as e:
+                out.skipped += [Skipped(name, s, mbs, str(e)) for s in strategies]
+                continue
+            costs = cost_model(chunks, req.comm_s)
+            budget = Budget(bytes_per_device, stash_budget(layout, chunks, bytes_per_device))
+            for strategy in strategies:
+                job = STRATEGIES[strategy][1](CompileRequest(name, p, m, v), budget)
+                if job is None:
+                    out.skipped.append(Skipped(name, strategy, mbs, "does not apply"))
+                    continue
+                try:
+                    result = compile_schedule(
+                        job.schedule, p, m, v, costs, job.memory_limit, **dict(job.options)
+                    )
+                except PipecError as e:
+                    out.skipped.append(Skipped(name, strategy, mbs, str(e)))
+                    continue
+                key = (mbs, result.compiled.programs)
+                if key in seen:  # e.g. eviction under a budget plain already meets
+                    out.skipped.append(Skipped(name, strategy, mbs, f"same as {seen[key]}"))
+                    continue
+                seen[key] = f"{name} {strategy}"
+                ev = Evaluated(
+                    name,
+                    strategy,
+                    mbs,
+                    job,
+                    result.sim.makespan,
+                    result.sim.bubble,
+                    rank_memory(result.compiled, costs, chunks),
+                )
+                (out.fits if ev.peak_bytes <= bytes_per_device else out.over).append(ev)
+    out.fits.sort(key=lambda e: (e.iteration_s, e.peak_bytes))
+    return out

@@ -1,0 +1,107 @@
+"""The plan driver: check the batch arithmetic, profile, evaluate, pick the baseline.
+
+`plan_model` profiles a model factory and plans; `plan_profile` plans from a profile that is
+already at hand (tests inject synthetic MFU curves through it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipec.ir import PipecError
+from pipec.plan.candidates import (
+    BASELINE,
+    Evaluated,
+    Evaluation,
+    PlanRequest,
+    evaluate,
+    schedule_names,
+    strategy_names,
+)
+from pipec.plan.facts import ModelProfile
+from pipec.plan.memory import format_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A finished plan: the request, the profile, every candidate, and the 1F1B baseline
+    (plain 1F1B at the largest micro-batch size that fits; None when none does)."""
+
+    request: PlanRequest
+    profile: ModelProfile
+    evaluation: Evaluation
+    baseline: Evaluated | None
+
+
+def check(req: PlanRequest, mbs: Sequence[int] | None = None) -> list[int]:
+    """Check the request (PipecError naming the bad option) and return the micro-batch sizes
+    to profile: `mbs`, or the powers of two up to the per-replica batch; each must split the
+    per-replica batch into whole micro-batches."""
+    p, dp, global_batch = req.p, req.dp, req.global_batch
+    if p < 1:
+        raise PipecError(f"--pp must be at least 1 (got {p})")
+    if global_batch < 1 or dp < 1:
+        raise PipecError(f"--global-batch ({global_batch}) and --dp ({dp}) must be positive")
+    if global_batch % dp:
+        raise PipecError(
+            f"--global-batch {global_batch} is not divisible by --dp {dp}; every data-parallel "
+            f"copy needs the same batch, e.g. --global-batch {global_batch + (-global_batch) % dp}"
+        )
+    schedule_names(req.schedules)
+    strategy_names(req.strategies)
+    per_replica = global_batch // dp
+    if mbs:
+        bad = [s for s in mbs if s < 1 or per_replica % s]
+        if bad:
+            raise PipecError(
+                f"--mbs {bad[0]} does not divide the per-replica batch {per_replica} "
+                f"(--global-batch {global_batch} / --dp {dp}) into whole micro-batches"
+            )
+        return sorted(set(mbs))
+    sizes = [1]
+    while per_replica % (sizes[-1] * 2) == 0:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def plan_profile(profile: ModelProfile, req: PlanRequest) -> Plan:
+    """Evaluate every candidate on `profile`; PipecError when none fits the budget."""
+    check(req, profile.sizes)
+    ev = evaluate(profile, req)
+    if not ev.fits:
+        if not ev.over:
+            why = ev.skipped[0].reason if ev.skipped else "no candidate"
+            raise PipecError(f"no candidate could be compiled: {why}")
+        least = min(ev.over, key=lambda e: e.peak_bytes)
+        raise PipecError(
+            f"--memory-per-device {format_bytes(req.bytes_per_device)} fits no candidate; the "
+            f"smallest that fits one is {format_bytes(least.peak_bytes)} "
+            f"({least.peak_bytes} bytes: {least.schedule} {least.strategy} at mbs {least.mbs})"
+        )
+    plain_1f1b = [e for e in ev.fits if e.family == BASELINE and e.strategy == "plain"]
+    baseline = max(plain_1f1b, key=lambda e: e.mbs, default=None)
+    return Plan(req, profile, ev, baseline)
+
+
+def plan_model(
+    spec: str,
+    req: PlanRequest,
+    *,
+    mbs: Sequence[int] | None = None,
+    time_budget: float = 60.0,
+    runs: int = 3,
+    peak_flops: float | None = None,
+    progress: bool = True,
+) -> Plan:
+    """Profile `spec` at the micro-batch sizes the batch allows, then plan (see plan_profile).
+
+    The request is checked before profiling, so a typo costs no measurement.
+    """
+    from pipec.plan.profile_mbs import profile_model  # torch: only when profiling
+
+    sizes = check(req, mbs)
+    profile = profile_model(
+        spec, sizes, time_budget=time_budget, runs=runs, peak_flops=peak_flops, progress=progress
+    )
+    return plan_profile(profile, req)

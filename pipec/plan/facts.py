@@ -1,0 +1,138 @@
+"""What a profile of the model at several micro-batch sizes holds, and the chunks derived from it.
+
+The model is profiled block by block (one block = one entry of the model's ModuleList, the
+embedding with the first and the head and loss with the last, as the frontend cuts them), so
+that any partition into chunks (p for 1F1B, p·v for interleaved, 2p for V-shapes) is priced by
+summing its blocks. These values carry no torch: tests build them from synthetic MFU curves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from pipec.ir import PipecError
+
+
+@dataclass(frozen=True)
+class FBW:
+    """F, B, W of one block or chunk: FLOPs per sample, or seconds per micro-batch."""
+
+    F: float
+    B: float
+    W: float
+
+    @property
+    def total(self) -> float:
+        return self.F + self.B + self.W
+
+
+@dataclass(frozen=True)
+class BlockFacts:
+    """One block: its parameters and its FLOPs per sample (the frontend's estimate)."""
+
+    params: int
+    param_bytes: int
+    flops: FBW
+
+
+@dataclass(frozen=True)
+class MbsPoint:
+    """Measurements at one micro-batch size, per block.
+
+    seconds: median F, B, W; stash_bytes: what autograd keeps from F to the backward;
+    input_bytes: the block's received inputs (what a recomputing stage keeps instead).
+    """
+
+    mbs: int
+    seconds: tuple[FBW, ...]
+    stash_bytes: tuple[int, ...]
+    input_bytes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """A partition's model chunks at one micro-batch size: per-chunk costs and bytes."""
+
+    counts: tuple[int, ...]
+    seconds: tuple[FBW, ...]
+    stash_bytes: tuple[int, ...]
+    input_bytes: tuple[int, ...]
+    params: tuple[int, ...]
+    param_bytes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """The model's blocks, its measured points (ascending mbs) and the device's peak.
+
+    tokens_per_sample: elements of the first input per sample (the sequence length for token
+    ids); peak_flops: the device's peak in FLOP/s and `peak_source` where that figure comes
+    from; stopped: why the sweep ended where it did.
+    """
+
+    name: str
+    blocks: tuple[BlockFacts, ...]
+    points: tuple[MbsPoint, ...]
+    tokens_per_sample: int
+    peak_flops: float
+    peak_source: str
+    stopped: str = ""
+
+    @cached_property
+    def flops_per_sample(self) -> float:
+        """Model FLOPs of one sample's forward and backward (F + B + W over all blocks)."""
+        return sum(b.flops.total for b in self.blocks)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(pt.mbs for pt in self.points)
+
+    def point(self, mbs: int) -> MbsPoint:
+        for pt in self.points:
+            if pt.mbs == mbs:
+                return pt
+        raise PipecError(f"micro-batch size {mbs} was not profiled (profiled: {self.sizes})")
+
+    def mfu(self, mbs: int) -> float:
+        """Single-device MFU at `mbs`: the model's FLOPs over the summed block times and peak."""
+        seconds = sum(s.total for s in self.point(mbs).seconds)
+        return self.flops_per_sample * mbs / seconds / self.peak_flops
+
+    def partition(self, n_chunks: int) -> tuple[int, ...]:
+        """Blocks per chunk: the frontend's balanced partition (equal FLOPs), so a build with
+        `--partition balanced` runs the stages priced here."""
+        from pipec.frontend import FrontendError
+        from pipec.frontend.partition import resolve
+
+        try:
+            _, counts = resolve("balanced", [b.flops.total for b in self.blocks], n_chunks)
+        except FrontendError as e:
+            raise PipecError(str(e)) from None
+        return tuple(counts)
+
+    def chunks(self, n_chunks: int, mbs: int) -> Chunks:
+        """Per-chunk seconds and bytes at `mbs`: sums over the chunk's blocks.
+
+        A chunk's received input is its first block's; a block boundary inside a chunk is
+        stashed by the block that consumes it, so summed stashes count it once.
+        """
+        counts = self.partition(n_chunks)
+        pt = self.point(mbs)
+        starts = [sum(counts[:k]) for k in range(n_chunks)]
+        spans = [range(a, a + c) for a, c in zip(starts, counts)]
+
+        def total(values) -> tuple:  # type: ignore[no-untyped-def]
+            return tuple(sum(values[i] for i in span) for span in spans)
+
+        seconds = tuple(
+            FBW(*(sum(getattr(pt.seconds[i], k) for i in span) for k in "FBW")) for span in spans
+        )
+        return Chunks(
+            counts=counts,
+            seconds=seconds,
+            stash_bytes=total(pt.stash_bytes),
+            input_bytes=tuple(pt.input_bytes[a] for a in starts),
+            params=total([b.params for b in self.blocks]),
+            param_bytes=total([b.param_bytes for b in self.blocks]),
+        )

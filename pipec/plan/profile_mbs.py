@@ -1,0 +1,180 @@
+"""Profile the model's blocks at micro-batch sizes 1, 2, 4, … on the local device.
+
+The factory hands pipec ONE example micro-batch. A micro-batch of n samples is built from it
+by taking its samples cyclically along dim 0 — every input and the target — so n below the
+example's size is a slice and n above it repeats the example; dim 0 must be the batch
+dimension of all of them. Repeated samples cost what fresh ones would: nothing is cached.
+
+Each size times F, B and W of every block with the runtime's B/W split (the frontend's
+profiler) in `runs` rounds and keeps each op's fastest, measures each block's stash, and stops early when the next size
+would not fit in the time budget or in the device's free memory (or runs out of it).
+MFU needs the device's peak: `--peak-tflops`, or a large matrix multiplication timed here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from pipec.frontend import (
+    FrontendError,
+    ModelSpec,
+    build_model_plan,
+    load_factory,
+    measure_stash_bytes,
+    split_model,
+)
+from pipec.frontend.partition import find_blocks
+from pipec.frontend.profile import ProgressBar, _now, profile_stages
+from pipec.ir import PipecError
+from pipec.plan.facts import FBW, BlockFacts, MbsPoint, ModelProfile
+
+MEMORY_HEADROOM = 0.5
+"""Profile a size only while its activations take at most this share of free memory."""
+
+
+def resize(ms: ModelSpec, mbs: int) -> tuple[tuple[Tensor, ...], Tensor]:
+    """The example micro-batch's inputs and target with `mbs` samples (see the module doc)."""
+    tensors = (*ms.example_inputs, ms.example_target)
+    sizes = {t.shape[0] if t.dim() else None for t in tensors}
+    if len(sizes) != 1 or None in sizes:
+        raise PipecError(
+            "cannot build micro-batches of other sizes: the example inputs and target must share "
+            f"their batch size in dim 0 (got {[tuple(t.shape) for t in tensors]})"
+        )
+    index = torch.arange(mbs, device=tensors[0].device) % sizes.pop()
+    *inputs, target = (t[index] for t in tensors)
+    return tuple(inputs), target
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """FLOP/s of the best of a few n×n matrix multiplications in `dtype`, and how measured."""
+    n = 2048 if device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for run in range(6):
+        t0 = _now(device)
+        a @ b
+        if run:  # the first is a warm-up
+            best = min(best, _now(device) - t0)
+    dt = str(dtype).removeprefix("torch.")
+    return 2 * n**3 / best, f"measured: best {dt} {n}x{n} GEMM on {device.type}"
+
+
+def profile_model(
+    spec: str,
+    sizes: Sequence[int],
+    *,
+    time_budget: float,
+    runs: int = 3,
+    peak_flops: float | None = None,
+    progress: bool = True,
+) -> ModelProfile:
+    """Profile `spec`'s blocks at each size in `sizes` (ascending) until time or memory stops."""
+    try:
+        ms = load_factory(spec)
+        n_blocks = find_blocks(ms.model)[1]
+        one_each = [1] * n_blocks
+        facts = build_model_plan(ms, n_blocks, one_each, progress=False)
+        blocks = split_model(ms, n_blocks, one_each)
+    except FrontendError as e:
+        raise PipecError(str(e)) from None
+    device = ms.example_inputs[0].device
+    if device.type == "meta":
+        raise PipecError(f"{spec} builds its model on the meta device; plan needs a runnable one")
+    example = ms.example_inputs[0].shape[0]
+    block_facts = tuple(
+        BlockFacts(s.params, s.param_bytes, FBW(*(getattr(s.flops, k) / example for k in "FBW")))
+        for s in facts.stages
+    )
+    if peak_flops is None:
+        dtype = next(p.dtype for p in ms.model.parameters() if p.is_floating_point())
+        peak_flops, source = measure_peak_flops(device, dtype)
+    else:
+        source = "--peak-tflops"
+    label = "profiling F/B/W per micro-batch size"
+    bar = ProgressBar(len(sizes), label, sys.stderr) if progress else None
+    _measure(ms, blocks, sizes[0], runs=1)  # warm-up: first calls pay one-time set-up
+    points: list[MbsPoint] = []
+    stopped, start, last_dt = "", time.perf_counter(), 0.0
+    for mbs in sizes:
+        if points:
+            grow = mbs / points[-1].mbs
+            elapsed = time.perf_counter() - start
+            if elapsed + last_dt * grow > time_budget:
+                stopped = f"time budget ({time_budget:g} s) before mbs {mbs}"
+            elif _activation_bytes(points[-1]) * grow > MEMORY_HEADROOM * _free_bytes(device):
+                stopped = f"free memory before mbs {mbs}"
+        if not stopped:
+            t0 = time.perf_counter()
+            try:
+                points.append(_measure(ms, blocks, mbs, runs))
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                stopped = f"out of memory at mbs {mbs}"
+            last_dt = time.perf_counter() - t0
+        if bar:
+            bar.advance()
+    if not points:
+        raise PipecError(f"could not profile {spec} even at micro-batch size {sizes[0]}: {stopped}")
+    return ModelProfile(
+        name=spec,
+        blocks=block_facts,
+        points=tuple(points),
+        tokens_per_sample=ms.example_inputs[0].numel() // example,
+        peak_flops=peak_flops,
+        peak_source=source,
+        stopped=stopped,
+    )
+
+
+def _measure(ms: ModelSpec, blocks: list, mbs: int, runs: int) -> MbsPoint:  # type: ignore[type-arg]
+    """One size: every block's boundary input, stash bytes and median F/B/W seconds."""
+    inputs, target = resize(ms, mbs)
+    boundaries = [inputs]
+    with torch.no_grad():
+        for block in blocks[:-1]:
+            y = block(*boundaries[-1])
+            boundaries.append((y,) if isinstance(y, Tensor) else tuple(y))
+
+    def loss(out: Tensor) -> Tensor:
+        return ms.loss_fn(out, target)
+
+    last = len(blocks) - 1
+    stash = tuple(
+        measure_stash_bytes(b, x, loss if k == last else None)
+        for k, (b, x) in enumerate(zip(blocks, boundaries))
+    )
+    # Rounds run every block once (the first is a warm-up), so a burst of load from other
+    # processes hits one round of many blocks rather than every run of one; the fastest round
+    # of each op is its cost on a device nobody shares.
+    rounds = [
+        profile_stages(blocks, boundaries, loss, runs=1, warmup=0, progress=False)
+        for _ in range(runs + 1)
+    ][1:]
+    return MbsPoint(
+        mbs=mbs,
+        seconds=tuple(
+            FBW(*(min(getattr(r[k], op) for r in rounds) for op in "FBW"))
+            for k in range(len(blocks))
+        ),
+        stash_bytes=stash,
+        input_bytes=tuple(sum(t.untyped_storage().nbytes() for t in x) for x in boundaries),
+    )
+
+
+def _activation_bytes(point: MbsPoint) -> int:
+    """What profiling a size holds at once: every boundary, and the largest block stash."""
+    return sum(point.input_bytes) + max(point.stash_bytes)
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

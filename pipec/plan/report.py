@@ -1,0 +1,173 @@
+"""Print a plan: the MFU curve, the ranked candidates, the 1F1B baseline and the verdict.
+
+Each row puts the simulated speed-up over the baseline beside the paper's quick estimate,
+MFU(row's mbs) / MFU(baseline's mbs) from the single-device profile (Huang et al., 2024): what
+a larger micro-batch can gain at most from kernel efficiency alone. A memory-saving strategy
+whose bound is near 1 cannot pay, whatever memory it frees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipec.plan.candidates import Evaluated
+from pipec.plan.driver import Plan
+from pipec.plan.memory import format_bytes
+
+
+@dataclass(frozen=True)
+class Row:
+    """A candidate's figures as printed: time in seconds, MFU of the whole world's peak."""
+
+    ev: Evaluated
+    tokens_per_s: float
+    mfu: float
+    speedup: float | None
+    mfu_bound: float | None
+
+
+def rows(plan: Plan) -> list[Row]:
+    """Every fitting candidate, fastest first, with its derived figures."""
+    prof, base, req = plan.profile, plan.baseline, plan.request
+    world_peak = req.p * req.dp * prof.peak_flops
+    out = []
+    for ev in plan.evaluation.fits:
+        out.append(
+            Row(
+                ev,
+                tokens_per_s=req.global_batch * prof.tokens_per_sample / ev.iteration_s,
+                mfu=req.global_batch * prof.flops_per_sample / ev.iteration_s / world_peak,
+                speedup=base.iteration_s / ev.iteration_s if base else None,
+                mfu_bound=prof.mfu(ev.mbs) / prof.mfu(base.mbs) if base else None,
+            )
+        )
+    return out
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def render_text(plan: Plan, top: int = 10) -> str:
+    """The human-readable report."""
+    prof, req = plan.profile, plan.request
+    curve = "  ".join(f"{mbs}: {prof.mfu(mbs):.1%}" for mbs in prof.sizes)
+    lines = [
+        (
+            f"pipec plan {prof.name}: p={req.p} dp={req.dp}, global batch "
+            f"{req.global_batch} ({prof.tokens_per_sample} tokens/sample), "
+            f"{format_bytes(req.bytes_per_device)} per device"
+        ),
+        f"peak {prof.peak_flops / 1e12:.3g} TFLOP/s per device ({prof.peak_source})",
+        f"profiled MFU by micro-batch size: {curve}"
+        + (f"  [stopped: {prof.stopped}]" if prof.stopped else ""),
+        "",
+        (
+            f"{'#':>3}  {'schedule':<14} {'strategy':<10} {'mbs':>4} {'m':>5}  "
+            f"{'iter time':>10}  {'tokens/s':>10}  {'MFU':>6}  {'bubble':>6}  "
+            f"{'peak mem/rank':>13}  {'speedup':>7}  {'MFU bound':>9}"
+        ),
+    ]
+    table = rows(plan)
+    for k, row in enumerate(table[:top], 1):
+        ev = row.ev
+        mark = "*" if ev is plan.baseline else " "
+        lines.append(
+            f"{k:>3}{mark} {ev.schedule:<14} {ev.strategy:<10} {ev.mbs:>4} {ev.m:>5}  "
+            f"{ev.iteration_s:>9.4g}s  {row.tokens_per_s:>10.4g}  {row.mfu:>6.1%}  "
+            f"{ev.bubble:>6.1%}  {format_bytes(ev.peak_bytes):>13}  {_x(row.speedup):>7}  "
+            f"{_x(row.mfu_bound):>9}"
+        )
+    if len(table) > top:
+        lines.append(f"      … {len(table) - top} more that fit (--top shows more)")
+    ev = plan.evaluation
+    lines += ["", _baseline_line(plan), _verdict(table)]
+    lines.append(
+        f"{len(ev.fits)} candidates fit, {len(ev.over)} over the budget, {len(ev.skipped)} "
+        "not applicable (--json lists them with the reason)"
+    )
+    return "\n".join(lines)
+
+
+def _baseline_line(plan: Plan) -> str:
+    base = plan.baseline
+    if base is None:
+        return "* baseline: plain 1F1B fits at no micro-batch size; speed-ups are not defined"
+    return (
+        f"* baseline: plain 1F1B at mbs {base.mbs}, the largest that fits "
+        f"({format_bytes(base.peak_bytes)} peak): {base.iteration_s:.4g} s per iteration"
+    )
+
+
+def _verdict(table: list[Row]) -> str:
+    """Whether saving memory pays: the best memory-saving candidate against the best plain."""
+    plain = next((r for r in table if r.ev.strategy == "plain"), None)
+    saving = next((r for r in table if r.ev.strategy != "plain"), None)
+    if saving is None:
+        return "memory saving: no memory-saving candidate fits"
+    if plain is None:
+        return "memory saving is needed: no plain schedule fits"
+    gain = plain.ev.iteration_s / saving.ev.iteration_s
+    verb = "pays" if gain > 1 else "does not pay"
+    return (
+        f"memory saving {verb}: best {saving.ev.strategy} ({saving.ev.schedule}, mbs "
+        f"{saving.ev.mbs}) is {gain:.2f}x the best plain ({plain.ev.schedule}, mbs "
+        f"{plain.ev.mbs}); MFU bound of its mbs over the baseline's {_x(saving.mfu_bound)}"
+    )
+
+
+def render_json(plan: Plan) -> dict:
+    """One JSON-serialisable object for scripts: inputs, profile, ranked candidates, the rest."""
+    prof, ev, req = plan.profile, plan.evaluation, plan.request
+
+    def cand(e: Evaluated) -> dict:
+        return {
+            "family": e.family,
+            "schedule": e.schedule,
+            "strategy": e.strategy,
+            "mbs": e.mbs,
+            "m": e.m,
+            "compile": e.request.to_json(),
+            "iteration_s": e.iteration_s,
+            "bubble": e.bubble,
+            "peak_bytes": e.peak_bytes,
+            "memory": [r.to_json() for r in e.memory],
+        }
+
+    return {
+        "model": prof.name,
+        "p": req.p,
+        "dp": req.dp,
+        "global_batch": req.global_batch,
+        "memory_per_device": req.bytes_per_device,
+        "peak_flops": prof.peak_flops,
+        "peak_source": prof.peak_source,
+        "tokens_per_sample": prof.tokens_per_sample,
+        "flops_per_sample": prof.flops_per_sample,
+        "profile": [
+            {
+                "mbs": pt.mbs,
+                "mfu": prof.mfu(pt.mbs),
+                "seconds": {k: sum(getattr(s, k) for s in pt.seconds) for k in "FBW"},
+                "stash_bytes": sum(pt.stash_bytes),
+            }
+            for pt in prof.points
+        ],
+        "profile_stopped": prof.stopped,
+        "baseline": cand(plan.baseline) if plan.baseline else None,
+        "candidates": [
+            cand(r.ev)
+            | {
+                "tokens_per_s": r.tokens_per_s,
+                "mfu": r.mfu,
+                "speedup": r.speedup,
+                "mfu_bound": r.mfu_bound,
+            }
+            for r in rows(plan)
+        ],
+        "over_budget": [cand(e) for e in ev.over],
+        "skipped": [
+            {"family": s.family, "strategy": s.strategy, "mbs": s.mbs, "reason": s.reason}
+            for s in ev.skipped
+        ],
+    }

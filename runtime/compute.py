@@ -1,0 +1,134 @@
+"""Compute handlers: F, B, W, fused BW and RECOMPUTE of one (stage, mb).
+
+F takes its input (the micro-batch on a first stage, a local hand-off when the previous stage
+is on this rank, else the posted receive), runs the stage under the stash's saved-tensor hooks
+(the last stage adds the loss, scaled 1/(m·D)) and leaves its output for SEND_ACT or the next
+local stage. A stage whose forward will be recomputed runs F without autograd and keeps only
+its inputs. B/BW take the output gradient the same three ways, run the backward (B through
+runtime.bwsplit, queueing the Linear weight-gradient GEMMs for W) and leave the input gradient
+for SEND_GRAD or the previous local stage.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from pipec.ir import Instr, Op
+from runtime import bwsplit
+from runtime.offload import finish_load
+from runtime.p2p import Kind
+from runtime.stash import SavedTensors, Stash, tensors_nbytes
+
+if TYPE_CHECKING:
+    from runtime.rank import Rank
+
+
+def _incoming(rt: Rank, kind: Kind, producer: int, mb: int) -> tuple[Tensor, ...]:
+    """A message from `producer`: handed over locally if it ran here, else received."""
+    if rt.layout.stage_rank[producer] == rt.rank:
+        return rt.local.pop((kind, producer, mb))
+    return rt.comm.take(kind, producer, mb)
+
+
+def _outgoing(rt: Rank, kind: Kind, stage: int, mb: int, to: int, tensors: tuple[Tensor, ...]):
+    """Leave tensors for stage `to`: locally if it runs here, else for the SEND instruction."""
+    box = rt.local if rt.layout.stage_rank[to] == rt.rank else rt.outbox
+    box[(kind, stage, mb)] = tensors
+
+
+def _run(rt: Rank, stage: int, mb: int, inputs: tuple[Tensor, ...], record: bool):
+    """The stage's forward; on the last stage, the scaled loss (recorded unscaled)."""
+    out = rt.modules[stage](*inputs)
+    if rt.layout.next_stage(stage) is not None:
+        return (out,) if isinstance(out, Tensor) else tuple(out)
+    loss = rt.spec.loss_fn(out, rt.batch(mb)[1])
+    if record:
+        rt.losses[mb] = loss.item()
+    return (loss * rt.loss_scale,)
+
+
+def _leaves(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Stage inputs as autograd leaves: floating ones collect their gradient in .grad."""
+    return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in tensors)
+
+
+def forward(rt: Rank, instr: Instr) -> None:
+    s, mb = instr.stage, instr.mb
+    prev = rt.layout.prev_stage(s)
+    received = rt.batch(mb)[0] if prev is None else _incoming(rt, Kind.ACT, prev, mb)
+    inputs = _leaves(received)
+    if (s, mb) in rt.recomputed:
+        with torch.no_grad():
+            outputs = _run(rt, s, mb, inputs, record=True)
+        stash = Stash(inputs, None, None, tensors_nbytes(inputs))
+    else:
+        saved = SavedTensors(rt.param_keys[s])
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            outputs = _run(rt, s, mb, inputs, record=True)
+        stash = Stash(inputs, outputs, saved, saved.nbytes)
+    rt.stashes[(s, mb)] = stash
+    rt.account(stash.nbytes)
+    nxt = rt.layout.next_stage(s)
+    if nxt is not None:
+        _outgoing(rt, Kind.ACT, s, mb, nxt, tuple(o.detach() for o in outputs))
+
+
+def recompute(rt: Rank, instr: Instr) -> None:
+    """Re-run F(s, mb) from its stashed inputs, this time keeping what the backward needs."""
+    s, mb = instr.stage, instr.mb
+    stash = rt.stashes[(s, mb)]
+    inputs = _leaves(stash.inputs)
+    saved = SavedTensors(rt.param_keys[s])
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        stash.outputs = _run(rt, s, mb, inputs, record=False)
+    stash.inputs, stash.saved = inputs, saved
+    extra = saved.nbytes + tensors_nbytes(inputs) - stash.nbytes
+    stash.nbytes += extra
+    rt.account(extra)
+
+
+def backward(rt: Rank, instr: Instr) -> None:
+    """B (input gradients; weight gradients queued for W) or fused BW of (s, mb)."""
+    s, mb = instr.stage, instr.mb
+    stash = rt.stashes.pop((s, mb))
+    if stash.loading:
+        finish_load(rt, s, mb, stash)
+    nxt = rt.layout.next_stage(s)
+    if nxt is None:
+        outputs, grads = list(stash.outputs), None
+    else:
+        received = _incoming(rt, Kind.GRAD, nxt, mb)
+        pairs = [(o, g) for o, g in zip(stash.outputs, received) if o.requires_grad]
+        outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+    module = rt.modules[s]
+    if instr.op is Op.B:
+        input_grads = bwsplit.B(module, mb, outputs, grads, stash.inputs)
+        held = bwsplit.held_bytes(module, mb)
+        rt.held[(s, mb)] = held
+        rt.account(held)
+    else:
+        torch.autograd.backward(outputs, grads)
+        input_grads = tuple(x.grad if x.requires_grad else None for x in stash.inputs)
+    rt.account(-stash.nbytes)
+    prev = rt.layout.prev_stage(s)
+    if prev is not None:
+        sent = tuple(
+            torch.zeros_like(x) if g is None else g
+            for x, g in zip(stash.inputs, input_grads)
+            if x.is_floating_point()
+        )
+        _outgoing(rt, Kind.GRAD, s, mb, prev, sent)
+
+
+def weight_grad(rt: Rank, instr: Instr) -> None:
+    """W(s, mb): the queued weight-gradient GEMMs of the micro-batch, into .grad."""
+    bwsplit.W(rt.modules[instr.stage], instr.mb)
+    rt.account(-rt.held.pop((instr.stage, instr.mb)))
+
+
+def overlap(rt: Rank, instr: Instr) -> None:
+    """OVERLAP: the next forward and backward may run concurrently; this runtime runs them one
+    after the other, which the hint allows (it permits overlap, it does not demand it)."""

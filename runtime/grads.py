@@ -1,0 +1,76 @@
+"""Gradient synchronisation and the optimizer step.
+
+ALLREDUCE_GRADS s=X to=Q sums stage X's gradients with its replica on rank Q (bidirectional
+schedules); without a peer it sums them over the stage's data-parallel group. Either way the
+gradients are flattened into one buffer and all-reduced asynchronously, so the reduction
+overlaps whatever the program does next; OPTIMIZER_STEP waits for it. A parameter shared by two
+stages of one rank is reduced once per step.
+
+OPTIMIZER_STEP completes the sends, waits for the reductions, sums the gradients of parameters
+tied across ranks (an embedding and its LM head), steps the optimizer and zeroes the gradients;
+then every stash, message and deferred weight gradient of the step must be gone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from pipec.ir import Instr
+
+if TYPE_CHECKING:
+    from runtime.rank import Rank
+
+
+def _grads(params) -> list[torch.Tensor]:
+    return [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+
+
+def allreduce_grads(rt: Rank, instr: Instr) -> None:
+    if instr.peer is None:
+        group = rt.dp_group
+    else:
+        group = rt.replica_groups[(instr.peer, rt.layout.stage_chunk[instr.stage])]
+    if group is None:
+        return  # data parallelism of one: nothing to sum
+    params = [p for p in rt.stage_parameters(instr.stage) if id(p) not in rt.synced]
+    rt.synced.update(id(p) for p in params)
+    flat = _flatten_dense_tensors(_grads(params))
+    work = dist.all_reduce(flat, group=group, async_op=True)
+    rt.reductions.append((work, flat, params))
+
+
+def _finish(params, flat: torch.Tensor) -> None:
+    for p, g in zip(params, _unflatten_dense_tensors(flat, _grads(params))):
+        p.grad = g
+
+
+def optimizer_step(rt: Rank, instr: Instr) -> None:
+    rt.comm.drain()
+    for work, flat, params in rt.reductions:
+        work.wait(rt.comm.timeout)
+        _finish(params, flat)
+    for group, param in rt.tied:
+        flat = _flatten_dense_tensors(_grads([param]))
+        dist.all_reduce(flat, group=group)
+        _finish([param], flat)
+    rt.optimizer.step()
+    rt.optimizer.zero_grad(set_to_none=True)
+    _check_step_is_over(rt)
+
+
+def _check_step_is_over(rt: Rank) -> None:
+    """Anything left from this step means the program is wrong; say what."""
+    left = {
+        "stashes": list(rt.stashes),
+        "unsent or unconsumed tensors": list(rt.outbox) + list(rt.local),
+        "deferred weight gradients (W missing) or accepted stashes": list(rt.held),
+    }
+    for what, keys in left.items():
+        if keys:
+            raise RuntimeError(f"the step ended with {what} left: {keys[:4]}")
+    rt.reductions.clear()
+    rt.synced.clear()

@@ -1,0 +1,265 @@
+"""One rank's state while it executes its program: stages, stashes, messages, memory meter.
+
+`Rank.prepare` does everything that needs no communication (read the build, check it fits the
+run, rebuild this rank's stage modules from the model factory with the plan's seed and
+partition), so a bad build is refused before any rank talks to another. `Rank.connect` then
+creates the process groups the program's collectives use; the handlers in compute.py, p2p.py,
+offload.py and grads.py do the rest.
+
+Ranks: the build has P programs (pipeline ranks); with data parallelism D copies run side by
+side and global rank = d·P + r for copy d, pipeline rank r.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipec.build_dir import Build, rank_file
+from pipec.frontend import FrontendError, ModelSpec, build_stages, load_factory
+from pipec.ir import Instr, Op, PipecError
+from runtime.bwsplit import split_backward
+from runtime.data import micro_batch
+from runtime.p2p import Comm
+from runtime.stash import Stash, storage_key
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+#: Line of instruction k in a .pipe file: a title line and a header line come first.
+FIRST_INSTR_LINE = 3
+
+
+@dataclass
+class Rank:
+    """Everything one rank needs to execute its program; built by `prepare`."""
+
+    build: Build
+    rank: int  # pipeline rank: index of the program
+    dp_index: int
+    world: int
+    device: torch.device
+    program: tuple[Instr, ...]
+    modules: dict[int, nn.Module]
+    param_keys: dict[int, frozenset[int]]
+    split: bool
+    recomputed: frozenset[tuple[int, int]]
+    spec: ModelSpec  # loss_fn and the example micro-batch (for the synthetic data)
+    data_seed: int = 0
+    comm: Comm | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    dp_group: object | None = None
+    replica_groups: dict[tuple[int, int], object] = field(default_factory=dict)
+    tied: list[tuple[object, nn.Parameter]] = field(default_factory=list)
+    # Per-step state, emptied by OPTIMIZER_STEP.
+    stashes: dict[tuple[int, int], Stash] = field(default_factory=dict)
+    local: dict[tuple[int, int, int], tuple[Tensor, ...]] = field(default_factory=dict)
+    outbox: dict[tuple[int, int, int], tuple[Tensor, ...]] = field(default_factory=dict)
+    held: dict[tuple[int, int], int] = field(default_factory=dict)  # W-pending and accepted bytes
+    reductions: list[tuple[object, Tensor, list[nn.Parameter]]] = field(default_factory=list)
+    synced: set[int] = field(default_factory=set)
+    losses: dict[int, float] = field(default_factory=dict)
+    batch_cache: dict[int, tuple[tuple[Tensor, ...], Tensor]] = field(default_factory=dict)
+    live: int = 0
+    peak: int = 0
+
+    @property
+    def layout(self):
+        return self.build.compiled.layout
+
+    @property
+    def P(self) -> int:
+        return self.build.compiled.world
+
+    @property
+    def dp(self) -> int:
+        return int(self.build.plan.get("dp", 1))
+
+    @property
+    def grank(self) -> int:
+        return self.global_rank(self.rank)
+
+    def global_rank(self, pipeline_rank: int) -> int:
+        return self.dp_index * self.P + pipeline_rank
+
+    @property
+    def source(self) -> str:
+        return rank_file(self.rank)
+
+    @property
+    def loss_scale(self) -> float:
+        """Each micro-batch's loss weighs 1/(m·D): gradients are the global batch's mean."""
+        return 1.0 / (self.layout.m * self.dp)
+
+    def describe(self, k: int | None) -> str:
+        """'rank 2: F s=2 mb=3 (rank_002.pipe:17)', for fault messages."""
+        where = f"rank {self.grank}"
+        if k is None:
+            return f"{where} (before its first instruction)"
+        instr = self.program[k]
+        text = f"{where}: {instr} ({self.source}:{k + FIRST_INSTR_LINE})"
+        if self.comm is not None and self.comm.waiting_on:
+            src, kind, stage, mb = self.comm.waiting_on
+            text += f", waiting on rank {src} for {kind.name} s={stage} mb={mb}"
+        elif instr.peer is not None:
+            text += f", peer rank {self.global_rank(instr.peer)}"
+        elif instr.op is Op.ALLREDUCE_GRADS:
+            text += ", with its data-parallel group"
+        return text
+
+    def account(self, nbytes: int) -> None:
+        """Add `nbytes` (negative: release) to the live stash bytes; keep the peak."""
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def batch(self, mb: int) -> tuple[tuple[Tensor, ...], Tensor]:
+        """Inputs and target of this copy's micro-batch `mb`, on this rank's device."""
+        if mb not in self.batch_cache:
+            inputs, target = micro_batch(
+                self.spec, self.dp_index * self.layout.m + mb, self.data_seed
+            )
+            self.batch_cache[mb] = (
+                tuple(x.to(self.device) for x in inputs),
+                target.to(self.device),
+            )
+        return self.batch_cache[mb]
+
+    def boundary(self, stage: int, which: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shapes and dtypes of a stage's floating `inputs` or `outputs` (what p2p carries)."""
+        chunk = self.layout.stage_chunk[stage]
+        facts = self.build.plan["model"]["stages"][chunk][which]
+        return [
+            (tuple(t["shape"]), getattr(torch, t["dtype"]))
+            for t in facts
+            if getattr(torch, t["dtype"]).is_floating_point
+        ]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every parameter this rank holds, each once (stages on one rank may share one)."""
+        seen: dict[int, nn.Parameter] = {}
+        for module in self.modules.values():
+            for p in module.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def stage_parameters(self, stage: int) -> list[nn.Parameter]:
+        """A stage's parameters in name order: replicas list theirs identically."""
+        return [p for _, p in sorted(self.modules[stage].named_parameters())]
+
+    # -- set-up -------------------------------------------------------------------------
+
+    @staticmethod
+    def prepare(
+        build: Build,
+        grank: int,
+        world: int,
+        device: torch.device,
+        spec: str | None = None,
+        data_seed: int = 0,
+    ) -> Rank:
+        """Check that `build` fits a world of `world` ranks and rebuild this rank's stages.
+
+        Raises PipecError (nothing has been communicated yet) when the build has no model,
+        when the world size is not P·D, or when the model no longer matches the plan.
+        """
+        plan, c = build.plan, build.compiled
+        model_plan = plan.get("model")
+        if model_plan is None:
+            raise PipecError(
+                f"{build.path}: compiled without a model; recompile with "
+                "`pipec compile MODEL ...` to run it"
+            )
+        dp = int(plan.get("dp", 1))
+        if world != c.world * dp:
+            raise PipecError(
+                f"{build.path}: the plan has {c.world} pipeline ranks x {dp} data-parallel copies "
+                f"= {c.world * dp} ranks, but this run has {world}; launch with "
+                f"--nproc-per-node {c.world * dp}"
+            )
+        rank, dp_index = grank % c.world, grank // c.world
+        program = c.programs[rank]
+        layout = c.layout
+        try:
+            # One build_stages call per pipeline (replica): stages of one replica on this rank
+            # share tied parameters; the two replicas of a bidirectional schedule do not.
+            modules: dict[int, nn.Module] = {}
+            for pipeline in layout.pipelines:
+                mine = [s for s in pipeline.stages if layout.stage_rank[s] == rank]
+                if mine:
+                    chunks = [layout.stage_chunk[s] for s in mine]
+                    for s, module in zip(mine, build_stages(spec, model_plan, chunks)):
+                        modules[s] = module.to(device)
+            factory = load_factory(spec or model_plan["spec"], model_plan["seed"])
+        except FrontendError as e:
+            raise PipecError(str(e)) from None
+        split = any(i.op in (Op.B, Op.W) for i in program)
+        if split:
+            for module in modules.values():
+                split_backward(module)
+        param_keys = {
+            s: frozenset(storage_key(p) for p in m.parameters()) for s, m in modules.items()
+        }
+        recomputed = frozenset((i.stage, i.mb) for i in program if i.op is Op.RECOMPUTE)
+        return Rank(
+            build,
+            rank,
+            dp_index,
+            world,
+            device,
+            program,
+            modules,
+            param_keys,
+            split,
+            recomputed,
+            factory,
+            data_seed,
+        )
+
+    def connect(self, optimizer: OptimizerFactory, timeout: float) -> None:
+        """Create the groups the program's collectives use (every rank, same order) and the
+        optimizer. Needs the default process group."""
+        c = self.build.compiled
+        self.comm = Comm(self.global_rank, self.layout.n_stages, self.layout.m, timeout)
+        dp_groups = [[d * c.world + r for d in range(self.dp)] for r in range(c.world)]
+        for r, ranks in enumerate(dp_groups):
+            group = dist.new_group(ranks) if self.dp > 1 else None
+            if r == self.rank:
+                self.dp_group = group
+        # One group per replica pair and chunk: reductions of different chunks between the same
+        # two ranks are then independent, whatever order the two programs issue them in.
+        pairs = sorted(
+            {
+                (*sorted((r, i.peer)), self.layout.stage_chunk[i.stage])
+                for r, prog in enumerate(c.programs)
+                for i in prog
+                if i.op is Op.ALLREDUCE_GRADS and i.peer is not None
+            }
+        )
+        for d in range(self.dp):
+            for a, b, chunk in pairs:
+                group = dist.new_group([d * c.world + a, d * c.world + b])
+                if d == self.dp_index and self.rank in (a, b):
+                    self.replica_groups[(b if self.rank == a else a, chunk)] = group
+        self._connect_tied()
+        self.optimizer = optimizer(self.parameters())
+
+    def _connect_tied(self) -> None:
+        """Groups summing the gradients of parameters tied across ranks (embedding and head)."""
+        layout, c = self.layout, self.build.compiled
+        for group in self.build.plan["model"]["tied_parameters"]:
+            names = {h["stage"]: h["name"] for h in group}
+            for pipeline in layout.pipelines:
+                holders = [s for s in pipeline.stages if layout.stage_chunk[s] in names]
+                ranks = sorted({layout.stage_rank[s] for s in holders})
+                if len(ranks) < 2:
+                    continue  # all holders on one rank share the parameter object
+                for d in range(self.dp):
+                    pg = dist.new_group([d * c.world + r for r in ranks])
+                    mine = [s for s in holders if layout.stage_rank[s] == self.rank]
+                    if d == self.dp_index and mine:
+                        s = mine[0]
+                        param = self.modules[s].get_parameter(names[layout.stage_chunk[s]])
+                        self.tied.append((pg, param))

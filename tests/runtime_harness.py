@@ -1,0 +1,133 @@
+"""Many runtime cases inside ONE torchrun launch (a launch costs ~5 s here; see FACTS.md).
+
+    torchrun --standalone --nproc-per-node 4 tests/runtime_harness.py CASES.json RESULTS_DIR
+
+CASES.json lists {"name", "build", "kind": "grads" | "train", "steps", "lr"}. For each case every
+rank rebuilds its stages from the build, runs its program and writes to RESULTS_DIR/<rank>.json
+what tests/test_runtime.py asserts: its parameter gradients compared with a single-process
+reference on the same micro-batches (grads), the loss curve beside the reference's (train,
+rank 0), and the measured peak stash bytes.
+"""
+
+from runtime.faults import take_termination_signals
+
+take_termination_signals()  # before torch starts threads, as launch.py does
+
+import json
+import sys
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipec.build_dir import load
+from pipec.frontend import load_factory
+from runtime.data import micro_batch
+from runtime.faults import Watchdog
+from runtime.interpreter import HANDLERS
+from runtime.main import train, write_measurements
+from runtime.rank import Rank
+
+TIMEOUT_S = 60.0
+
+
+class GradCapture:
+    """Stands in for the optimizer: keeps a copy of every gradient instead of stepping."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.grads: dict[int, torch.Tensor] = {}
+
+    def step(self) -> None:
+        self.grads = {id(p): p.grad.detach().clone() for p in self.params if p.grad is not None}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+@cache
+def reference_grads(spec: str, seed: int, n_mb: int) -> dict[str, torch.Tensor]:
+    """Gradients of the unsplit model: mean loss over micro-batches 0..n_mb-1."""
+    ms = load_factory(spec, seed)
+    for i in range(n_mb):
+        inputs, target = micro_batch(ms, i)
+        (ms.loss_fn(ms.model(*inputs), target) / n_mb).backward()
+    return {n: p.grad for n, p in ms.model.named_parameters(remove_duplicate=False)}
+
+
+def reference_losses(spec: str, seed: int, n_mb: int, steps: int, lr: float) -> list[float]:
+    """The single-process training curve: AdamW on the same micro-batches."""
+    ms = load_factory(spec, seed)
+    opt = torch.optim.AdamW(ms.model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for i in range(n_mb):
+            inputs, target = micro_batch(ms, i)
+            loss = ms.loss_fn(ms.model(*inputs), target)
+            (loss / n_mb).backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total / n_mb)
+    return losses
+
+
+def compare_grads(rt: Rank, captured: dict[int, torch.Tensor]) -> dict:
+    model = rt.build.plan["model"]
+    ref = reference_grads(model["spec"], model["seed"], rt.layout.m * rt.dp)
+    worst, names = 0.0, set()
+    for module in rt.modules.values():
+        for name, p in module.named_parameters(remove_duplicate=False):
+            torch.testing.assert_close(
+                captured[id(p)], ref[name], msg=lambda m, n=name: f"{n}: {m}"
+            )
+            worst = max(worst, (captured[id(p)] - ref[name]).abs().max().item())
+            names.add(name)
+    return {"max_abs_diff": worst, "names": sorted(names)}
+
+
+def run_case(case: dict, watchdog: Watchdog) -> dict:
+    build = load(Path(case["build"]))
+    rt = Rank.prepare(build, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    watchdog.describe = rt.describe
+    if case["kind"] == "grads":
+        rt.connect(GradCapture, TIMEOUT_S)
+        train(rt, 1, HANDLERS, watchdog)
+        result = compare_grads(rt, rt.optimizer.grads)
+    else:
+        lr, steps = case["lr"], case["steps"]
+        rt.connect(lambda ps: torch.optim.AdamW(ps, lr=lr), TIMEOUT_S)
+        losses: list[float] = []
+        traces = train(rt, steps, HANDLERS, watchdog, lambda step, loss, t: losses.append(loss))
+        write_measurements(rt, traces, skip=1)  # OUT/measured/, as launch.py writes it
+        result = {"losses": losses}
+        if dist.get_rank() == 0:
+            model = build.plan["model"]
+            result["reference"] = reference_losses(
+                model["spec"], model["seed"], rt.layout.m, steps, lr
+            )
+    return result | {"peak_stash_bytes": rt.peak, "ok": True}
+
+
+def main() -> None:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    watchdog = Watchdog(TIMEOUT_S, lambda k: f"rank {dist.get_rank()}")
+    results = {}
+    for case in cases:
+        try:
+            results[case["name"]] = run_case(case, watchdog)
+        except AssertionError as e:  # a wrong gradient: record it, the other cases go on
+            results[case["name"]] = {"ok": False, "error": str(e)[:2000]}
+    (out / f"{dist.get_rank()}.json").write_text(json.dumps(results))
+    watchdog.stop()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

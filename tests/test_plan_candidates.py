@@ -1,0 +1,152 @@
+"""The planner on injected MFU curves: when saving memory pays, baselines, budgets, bad input."""
+
+from dataclasses import replace
+
+import pytest
+from plan_synthetic import INPUT_PER_SAMPLE, PARAMS, STASH_PER_SAMPLE, synthetic_profile
+
+from pipec.ir import PipecError
+from pipec.plan import candidates
+from pipec.plan.candidates import STRATEGIES, PlanRequest, eviction_available
+from pipec.plan.driver import check, plan_profile
+from pipec.plan.report import render_json, render_text, rows
+
+P, BATCH = 4, 64
+# p=4 over 8 blocks: each rank holds 2 blocks. Static bytes: 2·1000 fp32 parameters at
+# 4 (weights) + 4 (gradients) + 8 (AdamW moments) bytes each.
+STATIC = 2 * PARAMS * 16
+CHUNK_STASH = 2 * STASH_PER_SAMPLE  # per sample
+# Rank 0 of 1F1B holds p stashes; of 1F1B-R, p-1 inputs and one stash.
+PLAIN_1F1B = 4 * CHUNK_STASH
+RECOMPUTE_1F1B = 3 * INPUT_PER_SAMPLE + CHUNK_STASH
+BUDGET = 80_000  # plain 1F1B fits mbs <= 4 (64 000 B at 4), 1F1B-R mbs <= 16 (70 000 B at 16)
+
+MEMORY_SAVING = ["recompute"] + (["evict"] if eviction_available() else [])
+
+
+def flat(n: int) -> float:
+    return 0.5  # flash-attention-like: kernels are as efficient at every micro-batch size
+
+
+def rising(n: int) -> float:
+    return min(0.05 * n, 0.8)  # GPT-3 without flash attention: larger micro-batches pay
+
+
+def plan(mfu, strategy: str, budget: int = BUDGET):
+    req = PlanRequest(P, BATCH, budget, schedules=("1f1b",), strategies=("plain", strategy))
+    return plan_profile(synthetic_profile(mfu), req)
+
+
+def test_budget_arithmetic_matches_the_hand_figures():
+    result = plan(flat, "recompute")
+    peaks = {(e.strategy, e.mbs): e.peak_bytes for e in result.evaluation.fits}
+    assert peaks[("plain", 4)] == STATIC + 4 * PLAIN_1F1B
+    assert peaks[("recompute", 16)] == STATIC + 16 * RECOMPUTE_1F1B
+    assert {e.mbs for e in result.evaluation.fits if e.strategy == "plain"} == {1, 2, 4}
+    assert [e.mbs for e in result.evaluation.over] == [8, 16]  # plain only
+    assert result.baseline.mbs == 4 and result.baseline.strategy == "plain"
+
+
+@pytest.mark.parametrize("strategy", MEMORY_SAVING)
+def test_flat_mfu_keeps_plain_1f1b(strategy):
+    result = plan(flat, strategy)
+    table = rows(result)
+    best_plain = min(r.ev.iteration_s for r in table if r.ev.strategy == "plain")
+    assert table[0].ev.strategy == "plain"
+    assert all(r.ev.iteration_s > best_plain for r in table if r.ev.strategy == strategy)
+    # The paper's quick estimate says so too: no larger micro-batch raises MFU.
+    assert all(r.mfu_bound == pytest.approx(1.0) for r in table)
+    assert "memory saving does not pay" in render_text(result)
+
+
+@pytest.mark.parametrize("strategy", MEMORY_SAVING)
+def test_rising_mfu_prefers_the_strategy_that_unlocks_a_larger_micro_batch(strategy):
+    result = plan(rising, strategy)
+    table = rows(result)
+    best = table[0]
+    assert best.ev.strategy == strategy and best.ev.mbs > result.baseline.mbs
+    assert best.speedup > 1.5
+    # The quick estimate bounds the gain of a larger micro-batch from above.
+    for r in table:
+        if r.ev.strategy == strategy and r.ev.mbs > result.baseline.mbs:
+            assert r.speedup <= r.mfu_bound
+    assert "memory saving pays" in render_text(result)
+
+
+def test_a_budget_that_fits_nothing_names_the_smallest_that_fits_one():
+    smallest = STATIC + RECOMPUTE_1F1B  # 1F1B-R at mbs 1
+    with pytest.raises(PipecError) as e:
+        plan_profile(synthetic_profile(flat), PlanRequest(P, BATCH, 10_000))
+    expected = f"is 33.4 KiB ({smallest} bytes: 1f1b-r recompute at mbs 1)"
+    assert str(e.value).startswith("--memory-per-device 9.77 KiB fits no candidate")
+    assert str(e.value).endswith(f"; the smallest that fits one {expected}")
+    assert "\n" not in str(e.value)
+    fits = plan_profile(synthetic_profile(flat), PlanRequest(P, BATCH, smallest))
+    assert [(e.schedule, e.mbs) for e in fits.evaluation.fits] == [("1f1b-r", 1)]
+    assert fits.baseline is None and "fits at no micro-batch size" in render_text(fits)
+
+
+def test_a_strategy_is_one_row_of_the_table(monkeypatch):
+    # A strategy that only asks the verifier to hold the budget, in stash units: 1F1B holds 4
+    # units on rank 0; the budget leaves (80 000 - 32 000) / (2000 · mbs) units, 6 at mbs 4 and
+    # 3 at mbs 8, so it compiles at mbs <= 4 and is refused above.
+    def capped(req, budget):
+        return replace(req, memory_limit=budget.stash_limit)
+
+    monkeypatch.setitem(STRATEGIES, "capped", ("verify the budget", capped))
+    result = plan(flat, "capped")
+    assert {e.mbs for e in result.evaluation.fits if e.strategy == "capped"} == set()  # dupes
+    refused = {s.mbs for s in result.evaluation.skipped if s.strategy == "capped"}
+    assert refused == {1, 2, 4, 8, 16}
+    reasons = {s.mbs: s.reason for s in result.evaluation.skipped if s.strategy == "capped"}
+    assert reasons[4] == "same as 1f1b plain" and "limit" in reasons[8]
+
+
+def test_evict_is_offered_exactly_when_the_compile_driver_has_it():
+    assert ("evict" in STRATEGIES) == eviction_available()
+    if not eviction_available():
+        with pytest.raises(PipecError, match="evict needs the BPipe eviction pass"):
+            candidates.strategy_names(["evict"])
+
+
+def test_batch_arithmetic():
+    assert check(PlanRequest(4, 64, BUDGET)) == [1, 2, 4, 8, 16, 32, 64]
+    assert check(PlanRequest(4, 48, BUDGET, dp=2)) == [1, 2, 4, 8]
+    with pytest.raises(PipecError, match="--global-batch 30 is not divisible by --dp 4"):
+        check(PlanRequest(4, 30, BUDGET, dp=4))
+    with pytest.raises(PipecError, match="--mbs 3 does not divide the per-replica batch 32"):
+        check(PlanRequest(4, 64, BUDGET, dp=2), [2, 3])
+    with pytest.raises(PipecError, match="--pp must be at least 1"):
+        check(PlanRequest(0, 64, BUDGET))
+
+
+def test_unknown_schedule_lists_the_valid_ones():
+    with pytest.raises(PipecError, match="unknown schedule 'zz'; valid schedules: .*1f1b"):
+        plan_profile(synthetic_profile(flat), PlanRequest(P, BATCH, BUDGET, schedules=("zz",)))
+
+
+def test_json_lists_every_candidate_with_its_figures():
+    result = plan_profile(synthetic_profile(rising), PlanRequest(P, BATCH, BUDGET))
+    out = render_json(result)
+    n = len(result.evaluation.fits)
+    assert len(out["candidates"]) == n and out["baseline"]["mbs"] == 4
+    first = out["candidates"][0]
+    assert first["tokens_per_s"] == pytest.approx(BATCH * 128 / first["iteration_s"])
+    assert {s["reason"] for s in out["skipped"]} >= {"does not apply"}
+
+
+def test_the_evict_row_hands_the_pass_the_budget_in_stash_units(monkeypatch):
+    # Whatever the eviction pass will be, its row asks compile_schedule for evict=True under
+    # the stash units the byte budget leaves: (80 000 - 32 000) / (2000 · mbs) on every rank.
+    calls = []
+    real = candidates.compile_schedule
+
+    def compile_with_evict(schedule, p, m, v, costs, memory_limit, evict=False):
+        calls.append((BATCH // m, memory_limit, evict))
+        return real(schedule, p, m, v, costs)
+
+    monkeypatch.setattr(candidates, "compile_schedule", compile_with_evict)
+    monkeypatch.setitem(STRATEGIES, "evict", ("BPipe", candidates._evict))
+    plan(flat, "evict")
+    evicting = [(mbs, limit) for mbs, limit, evict in calls if evict]
+    assert evicting == [(mbs, 48_000 / (2000 * mbs)) for mbs in (1, 2, 4, 8, 16)]

@@ -1,0 +1,219 @@
+"""The runtime trains: gradients equal a single-process reference for every schedule family,
+the loss curve matches, measured stash bytes match the simulator's.
+
+All cases run inside ONE torchrun launch of tests/runtime_harness.py (4 ranks, gloo): the
+families come from the registry, so a family registered later is covered without an edit here.
+Hand-written programs exercise the ops whose compile-time side lands elsewhere (BPipe's
+EVICT/LOAD/ACCEPT/RETURN, replica ALLREDUCE_GRADS), and --dp exercises data parallelism.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from passes.costs import CostModel
+from passes.lower import lower
+from passes.registry import SCHEDULES, family
+from passes.replicas import eager_syncs
+from pipec.build_dir import emit
+from pipec.cli import main as pipec_main
+from pipec.compile import CompileResult, package
+from pipec.frontend import build_model_plan, load_factory
+from pipec.ir import Instr, Layout, Op, Pipeline, Schedule
+from pipec.model import compile_model, model_costs
+from runtime.torchrun import torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT, GPT_TIED, LLAMA = (
+    f"{ROOT}/examples/{f}" for f in ("gpt.py:tiny", "gpt.py:tiny_tied", "llama.py:tiny")
+)
+P, M = 4, 8
+family("1f1b")  # registers the built-in families
+FAMILIES = sorted(SCHEDULES)
+LLAMA_FAMILIES = [f for f in ("1f1b", "zb-v", "v-half", "bitpipe") if f in SCHEDULES]
+#: v-min's measured peak is 28% above the simulator's on rank 0 (1436932 vs 1125636 bytes, tiny
+#: GPT, 4 ranks): not yet explained, so it is an expected failure that turns red once fixed.
+V_MIN_GAP = pytest.mark.xfail(
+    strict=True, reason="v-min: measured stash 28% over the simulator's on rank 0 (open)"
+)
+PEAK_FAMILIES = [
+    f if f != "v-min" else pytest.param(f, marks=V_MIN_GAP)
+    for f in ("1f1b", "v-min")
+    if f in SCHEDULES
+]
+# The loss-curve case trains with the best schedule this checkout has (the issue asks v-half).
+BEST = next(f for f in ("v-half", "interleaved", "1f1b") if f in SCHEDULES)
+TRAIN_STEPS, TRAIN_LR = 30, 1e-3
+EVICTED = range(1, M)  # micro-batches rank 0 evicts to rank 3 in the hand-written program
+
+pytestmark = pytest.mark.slow
+
+
+def with_evictions(result: CompileResult) -> CompileResult:
+    """1F1B p=4 with stage 0's stash of EVICTED mbs moved to rank 3 and back, by hand."""
+    rank0, rank3 = list(result.compiled.programs[0]), list(result.compiled.programs[3])
+    for mb in EVICTED:
+        rank0.insert(rank0.index(Instr(Op.F, 0, mb)) + 1, Instr(Op.EVICT, 0, mb, 3))
+        rank0.insert(rank0.index(Instr(Op.BW, 0, mb)), Instr(Op.LOAD, 0, mb, 3))
+        rank3.insert(rank3.index(Instr(Op.RECV_ACT, 3, mb, 2)), Instr(Op.ACCEPT, 0, mb, 0))
+        rank3.insert(rank3.index(Instr(Op.BW, 3, mb)) + 1, Instr(Op.RETURN, 0, mb, 0))
+    programs = (tuple(rank0), *result.compiled.programs[1:3], tuple(rank3))
+    return replace(result, compiled=replace(result.compiled, programs=programs))
+
+
+def two_replicas() -> CompileResult:
+    """Chimera-like by hand: two pipelines in opposite directions over 4 ranks, each holding a
+    replica of the 4 chunks; each stage's gradients summed with its replica's (ALLREDUCE_GRADS)
+    right after its last backward."""
+    stage_rank = (0, 1, 2, 3, 3, 2, 1, 0)
+    layout = Layout(
+        P,
+        stage_rank,
+        (0, 1, 2, 3) * 2,
+        (Pipeline((0, 1, 2, 3), (0, 1, 2, 3)), Pipeline((4, 5, 6, 7), (4, 5, 6, 7))),
+    )
+    orders = []
+    for r in range(P):
+        down, up = r, 7 - r
+        orders.append(
+            tuple(Instr(Op.F, down, i) for i in range(4))
+            + tuple(Instr(Op.F, up, i) for i in range(4, 8))
+            + tuple(Instr(Op.BW, up, i) for i in range(4, 8))
+            + tuple(Instr(Op.BW, down, i) for i in range(4))
+        )
+    model = build_model_plan(GPT, 4, v=1, replicas=2, progress=False).to_json()
+    costs = model_costs(model, CostModel())
+    # Lowering puts each pair's two all-reduces in one order on both ranks: placed by hand
+    # after each stage's last backward, rank 0 would reduce chunk 3 first and rank 3 chunk 0.
+    compiled = lower(Schedule("replicas", P, M, 1, layout, eager_syncs(layout, orders)), costs)
+    return package(compiled, costs, model=model)
+
+
+def build_cases() -> dict[str, tuple[CompileResult, dict]]:
+    grads = {"kind": "grads"}
+    cases = {f"gpt/{f}": (compile_model(GPT, f, P, M), grads) for f in FAMILIES}
+    cases |= {f"llama/{f}": (compile_model(LLAMA, f, P, M), grads) for f in LLAMA_FAMILIES}
+    cases["gpt-tied/1f1b"] = (compile_model(GPT_TIED, "1f1b", P, M), grads)
+    cases["gpt/1f1b-dp2"] = (compile_model(GPT, "1f1b", 2, M // 2, dp=2), grads)
+    cases["gpt/1f1b-evict"] = (with_evictions(cases["gpt/1f1b"][0]), grads)
+    cases["gpt/replicas"] = (two_replicas(), grads)
+    train = {"kind": "train", "steps": TRAIN_STEPS, "lr": TRAIN_LR}
+    cases[f"train/{BEST}"] = (compile_model(GPT, BEST, P, M), train)
+    return cases
+
+
+def model_parameter_names(spec: str) -> list[str]:
+    model = load_factory(spec).model
+    return [n for n, _ in model.named_parameters(remove_duplicate=False)]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Compile every case, run them all in one torchrun launch; results per rank and case."""
+    tmp = tmp_path_factory.mktemp("runtime")
+    cases = build_cases()
+    listing = []
+    for k, (name, (result, extra)) in enumerate(cases.items()):
+        emit(result, tmp / f"case{k}")
+        listing.append({"name": name, "build": str(tmp / f"case{k}")} | extra)
+    (tmp / "cases.json").write_text(json.dumps(listing))
+    (tmp / "results").mkdir()
+    harness = ROOT / "tests/runtime_harness.py"
+    cmd, env = torchrun(harness, 4, str(tmp / "cases.json"), str(tmp / "results"))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads((tmp / "results" / f"{r}.json").read_text()) for r in range(4)]
+    return cases, results, proc.stdout, {c["name"]: Path(c["build"]) for c in listing}
+
+
+def grads_cases() -> list[str]:
+    return (
+        [f"gpt/{f}" for f in FAMILIES]
+        + [f"llama/{f}" for f in LLAMA_FAMILIES]
+        + ["gpt-tied/1f1b", "gpt/1f1b-dp2", "gpt/1f1b-evict", "gpt/replicas"]
+    )
+
+
+@pytest.mark.parametrize("case", grads_cases())
+def test_gradients_equal_single_process_reference(launched, case):
+    _, results, _, _ = launched
+    for rank, res in enumerate(results):
+        assert res[case]["ok"], f"rank {rank}: {res[case]['error']}"
+    # Every parameter of the model was compared, on some rank.
+    checked = {n for res in results for n in res[case]["names"]}
+    spec = GPT_TIED if "tied" in case else LLAMA if "llama" in case else GPT
+    assert checked == set(model_parameter_names(spec))
+
+
+def test_loss_falls_like_the_single_process_run(launched):
+    _, results, _, _ = launched
+    res = results[0][f"train/{BEST}"]
+    losses, reference = res["losses"], res["reference"]
+    assert len(losses) == TRAIN_STEPS
+    assert losses[-1] < 0.8 * losses[0], losses
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", PEAK_FAMILIES)
+def test_measured_peak_stash_bytes_match_the_simulator(launched, name):
+    cases, results, _, _ = launched
+    sim = cases[f"gpt/{name}"][0].sim
+    for rank, res in enumerate(results):
+        predicted = sim.ranks[rank].peak_stash_bytes
+        measured = res[f"gpt/{name}"]["peak_stash_bytes"]
+        assert abs(measured - predicted) <= 0.10 * predicted, (rank, measured, predicted)
+
+
+def test_evicted_stashes_live_on_the_acceptor(launched):
+    cases, results, _, _ = launched
+    stash0 = cases["gpt/1f1b"][0].costs.stash_bytes[0]
+    plain = [res["gpt/1f1b"]["peak_stash_bytes"] for res in results]
+    evict = [res["gpt/1f1b-evict"]["peak_stash_bytes"] for res in results]
+    # 1F1B's rank 0 holds 4 stashes at its peak; evicting every mb but 0 right after its F,
+    # it holds mb 0's and the one just computed. Rank 3 holds one accepted stash (its own
+    # backward runs right after its forward, and it returns the stash then) beside its own.
+    assert plain[0] == 4 * stash0 and evict[0] == 2 * stash0
+    assert stash0 <= evict[3] - plain[3] <= 1.01 * stash0  # the flat buffer aligns storages
+
+
+def test_measured_timeline_and_show(launched, capsys):
+    """The run wrote OUT/measured/ in the simulated timeline's format; `pipec show` prints it."""
+    _, results, stdout, dirs = launched
+    build = dirs[f"train/{BEST}"]
+    simulated = json.loads((build / "timeline.json").read_text())
+    measured = json.loads((build / "measured/timeline.json").read_text())
+    spans = [e for e in measured["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == sum(e["ph"] == "X" for e in simulated["traceEvents"])
+    assert {k for e in spans for k in e} == {
+        k for e in simulated["traceEvents"] if e["ph"] == "X" for k in e
+    }
+    stats = json.loads((build / "measured/stats.json").read_text())
+    assert stats["steps"] == TRAIN_STEPS and 0 <= stats["measured"]["bubble"] < 1
+    assert [r["peak_stash_bytes"] for r in stats["ranks"]] == [
+        res[f"train/{BEST}"]["peak_stash_bytes"] for res in results
+    ]
+    assert "measured over" in stdout
+    pipec_main(["show", str(build), "--lines", "2"])
+    out = capsys.readouterr().out
+    assert "measured over 29 steps" in out and "peak stash measured" in out
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="v-min's rank 0 measures 0.68x 1F1B's peak (theory at p=4: (p+4)//3 / p = 0.5)",
+)
+def test_v_min_halves_rank_0s_stash_measured(launched):
+    """The issue's figure: V-Min's measured peak on rank 0 is at most 0.4x 1F1B's."""
+    if "v-min" not in SCHEDULES:
+        pytest.skip("v-min is not registered in this checkout (it comes with the zero-bubble work)")
+    _, results, _, _ = launched
+    assert (
+        results[0]["gpt/v-min"]["peak_stash_bytes"]
+        <= 0.4 * results[0]["gpt/1f1b"]["peak_stash_bytes"]
+    )

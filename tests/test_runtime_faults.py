@@ -1,0 +1,208 @@
+"""Faults: a killed or hung rank ends the whole run within the timeout, and every other rank
+says which rank it is and which instruction it was at; a bad build is refused before any rank
+communicates.
+
+The fault tests run OUT/launch.py under torchrun for many steps and, once training is under
+way, kill (SIGKILL) or freeze (SIGSTOP) rank 2 from outside, as a crash or a hang would.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from pipec.build_dir import emit, load
+from pipec.ir import Op, PipecError
+from pipec.model import compile_model
+from runtime.interpreter import HANDLERS, check_program
+from runtime.main import main
+from runtime.torchrun import torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = f"{ROOT}/examples/gpt.py:tiny"
+TIMEOUT_S = 5
+# The timeout, plus the watchdog's poll and torchrun's reaction: the bound the test holds to.
+SLACK_S = 10
+MESSAGE = re.compile(r"pipec runtime: rank (\d) ?: ?(.*)")
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("faults") / "build"
+    emit(compile_model(GPT, "1f1b", 4, 8), out)
+    return out
+
+
+class Launch:
+    """torchrun on OUT/launch.py with its output lines collected as they come."""
+
+    def __init__(self, build: Path, *args: str) -> None:
+        cmd, env = torchrun(build / "launch.py", 4, *args)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.lines: list[tuple[float, str]] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(s,))
+            for s in (self.proc.stdout, self.proc.stderr)
+        ]
+        for t in self._readers:
+            t.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait_for(self, pattern: str, timeout: float) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, line in list(self.lines):
+                if re.search(pattern, line):
+                    return t
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r} in {timeout} s:\n{self.text()}")
+
+    def worker_pid(self, rank: int) -> int:
+        """The pid of torchrun's worker process for `rank`."""
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                parent = int(Path(f"/proc/{pid}/stat").read_text().split()[3])
+            except (OSError, ValueError):
+                continue
+            if f"RANK={rank}".encode() in environ and _ancestor(parent, self.proc.pid):
+                return int(pid)
+        raise AssertionError(f"no worker process for rank {rank}")
+
+    def finish(self, timeout: float) -> int:
+        code = self.proc.wait(timeout)
+        for t in self._readers:
+            t.join()
+        return code
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def messages(self) -> dict[int, tuple[float, str]]:
+        """The first runtime message of each rank, with when it came."""
+        found: dict[int, tuple[float, str]] = {}
+        for t, line in self.lines:
+            m = MESSAGE.search(line)
+            if m and int(m[1]) not in found:
+                found[int(m[1])] = (t, m[2])
+        return found
+
+
+def _ancestor(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        pid = int(Path(f"/proc/{pid}/stat").read_text().split()[3])
+    return False
+
+
+INSTRUCTION = re.compile(
+    r"[A-Z_]+(?: s=\d+)?(?: mb=\d+)?(?: (?:to|from)=\d+)? \(rank_\d{3}\.pipe:\d+\)"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_dead_or_hung_rank_stops_every_rank_with_a_message(build, fault):
+    run = Launch(build, "--steps", "100000", "--timeout", str(TIMEOUT_S))
+    victim = None
+    try:
+        run.wait_for(r"step +2/", timeout=120)
+        victim = run.worker_pid(2)
+        os.kill(victim, fault)
+        t_fault = time.monotonic()
+        others = {0, 1, 3}
+        deadline = t_fault + TIMEOUT_S + SLACK_S
+        while not others <= set(run.messages()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        messages = run.messages()
+        assert others <= set(messages), run.text()
+        for rank in others:
+            t, text = messages[rank]
+            assert t - t_fault <= TIMEOUT_S + SLACK_S
+            assert INSTRUCTION.search(text), text  # names the instruction and its line
+        # Whoever waited on the victim directly says so.
+        assert any("rank 2" in text for _, text in messages.values()), run.text()
+    finally:
+        if victim is not None and fault is signal.SIGSTOP:
+            os.kill(victim, signal.SIGKILL)
+        code = run.finish(timeout=60)
+    assert code != 0
+
+
+def _refused(
+    build: Path, monkeypatch, capsys, world: int = 4, rank: int = 1, handlers=HANDLERS
+) -> str:
+    """Run one rank's entry point in-process with no peers: it must refuse, not wait for them."""
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens there: connecting would fail
+    with pytest.raises(SystemExit) as e:
+        main(build, ["--timeout", "5"], handlers)
+    assert e.value.code == 2 and not dist.is_initialized()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"pipec runtime: rank {rank}: ")
+    return err
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda t: t.replace("F s=1 mb=3\n", "F s=1 mb=three\n"),
+            r"rank_001.pipe:\d+: not an instruction",
+        ),
+        (lambda t: t.replace("version=1", "version=7"), "format version 7"),
+        (
+            lambda t: re.sub(r"plan=[0-9a-f]{16}", "plan=" + "0" * 16, t),
+            "header does not match plan.json",
+        ),
+    ],
+)
+def test_a_corrupted_program_is_refused_before_any_communication(
+    build, tmp_path, monkeypatch, capsys, damage, message
+):
+    copy = tmp_path / "b"
+    copy.mkdir()
+    for f in build.iterdir():
+        if f.is_file():
+            (copy / f.name).write_text(f.read_text())
+    (copy / "rank_001.pipe").write_text(damage((copy / "rank_001.pipe").read_text()))
+    assert re.search(message, _refused(copy, monkeypatch, capsys))
+
+
+def test_a_wrong_world_size_is_refused(build, monkeypatch, capsys):
+    err = _refused(build, monkeypatch, capsys, world=2)
+    assert (
+        "the plan has 4 pipeline ranks x 1 data-parallel copies = 4 ranks, but this run has 2"
+        in err
+    )
+
+
+def test_an_op_without_handler_is_refused_naming_op_and_line(build, monkeypatch, capsys):
+    handlers = {op: h for op, h in HANDLERS.items() if op is not Op.SEND_GRAD}
+    err = _refused(build, monkeypatch, capsys, handlers=handlers)
+    assert re.search(r"rank_001.pipe:\d+: op SEND_GRAD has no runtime handler", err)
+
+
+def test_check_program_names_the_file_line(build):
+    text = (build / "rank_000.pipe").read_text()
+    line = next(n for n, t in enumerate(text.splitlines(), 1) if t.startswith("BW "))
+    program = load(build).compiled.programs[0]
+    handlers = {op: h for op, h in HANDLERS.items() if op is not Op.BW}
+    with pytest.raises(PipecError, match=rf"^rank_000.pipe:{line}: op BW has no runtime handler"):
+        check_program(program, handlers, "rank_000.pipe")
