@@ -14,8 +14,8 @@ follow `passes/transfers.py`; replica all-reduces `passes/replicas.py`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from itertools import chain
+from dataclasses import dataclass
 from operator import attrgetter
 
 from passes.costs import CostModel

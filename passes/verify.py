@@ -31,10 +31,10 @@ from pipec.ir import (
     SEND_OPS,
     Compiled,
     Instr,
-    Layout,
     Op,
     PipecError,
     dependencies,
+    Layout,
     dependency_memo,
     fused_backwards,
 )
@@ -261,8 +261,7 @@ def _message(
     other = counterpart(instr, r, compiled)
     if instr.op in MEMORY_OPS:
         return other, None
-    sending = instr.op in SEND_OPS
-    send, sender, receiver = (instr, r, instr.peer) if sending else (other, instr.peer, r)
+    send, sender, receiver = (instr, r, instr.peer) if instr.op in SEND_OPS else (other, instr.peer, r)
     bwd = Op.BW if (send.stage, send.mb) in fused else Op.B
     payload = (Op.F if send.op is Op.SEND_ACT else bwd, send.stage, send.mb)
     if sender == r and payload not in available[r]:

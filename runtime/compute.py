@@ -127,8 +127,3 @@ def weight_grad(rt: Rank, instr: Instr) -> None:
     """W(s, mb): the queued weight-gradient GEMMs of the micro-batch, into .grad."""
     bwsplit.W(rt.modules[instr.stage], instr.mb)
     rt.account(-rt.held.pop((instr.stage, instr.mb)))
-
-
-def overlap(rt: Rank, instr: Instr) -> None:
-    """OVERLAP: the next forward and backward may run concurrently; this runtime runs them one
-    after the other, which the hint allows (it permits overlap, it does not demand it)."""

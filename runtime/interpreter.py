@@ -24,13 +24,17 @@ from runtime.rank import FIRST_INSTR_LINE, Rank
 
 Handler = Callable[[Rank, Instr], None]
 
+
+def run_in_turn(rank: Rank, instr: Instr) -> None:
+    """OVERLAP is a hint that the next F and B may run concurrently; this runtime runs them
+    one after the other (their sends and receives already overlap compute)."""
+
 HANDLERS: Mapping[Op, Handler] = {
     Op.F: compute.forward,
     Op.B: compute.backward,
     Op.BW: compute.backward,
     Op.W: compute.weight_grad,
     Op.RECOMPUTE: compute.recompute,
-    Op.OVERLAP: compute.overlap,
     Op.SEND_ACT: p2p.send_act,
     Op.RECV_ACT: p2p.recv_act,
     Op.SEND_GRAD: p2p.send_grad,
@@ -41,6 +45,7 @@ HANDLERS: Mapping[Op, Handler] = {
     Op.RETURN: offload.give_back,
     Op.ALLREDUCE_GRADS: grads.allreduce_grads,
     Op.OPTIMIZER_STEP: grads.optimizer_step,
+    Op.OVERLAP: run_in_turn,
 }
 
 

@@ -20,7 +20,6 @@ import torch
 from passes.costs import CostModel
 from passes.lower import lower
 from passes.registry import SCHEDULES, family
-from passes.replicas import eager_syncs
 from pipec.build_dir import emit
 from pipec.cli import main as pipec_main
 from pipec.compile import CompileResult, package
@@ -70,7 +69,7 @@ def with_evictions(result: CompileResult) -> CompileResult:
 def two_replicas() -> CompileResult:
     """Chimera-like by hand: two pipelines in opposite directions over 4 ranks, each holding a
     replica of the 4 chunks; each stage's gradients summed with its replica's (ALLREDUCE_GRADS)
-    right after its last backward."""
+    right after its last backward, in the one pair order lowering gives them."""
     stage_rank = (0, 1, 2, 3, 3, 2, 1, 0)
     layout = Layout(
         P,
@@ -85,14 +84,13 @@ def two_replicas() -> CompileResult:
             tuple(Instr(Op.F, down, i) for i in range(4))
             + tuple(Instr(Op.F, up, i) for i in range(4, 8))
             + tuple(Instr(Op.BW, up, i) for i in range(4, 8))
+            + (Instr(Op.ALLREDUCE_GRADS, up, None, stage_rank[(up + 4) % 8]),)
             + tuple(Instr(Op.BW, down, i) for i in range(4))
+            + (Instr(Op.ALLREDUCE_GRADS, down, None, stage_rank[(down + 4) % 8]),)
         )
     model = build_model_plan(GPT, 4, v=1, replicas=2, progress=False).to_json()
     costs = model_costs(model, CostModel())
-    # Lowering puts each pair's two all-reduces in one order on both ranks: placed by hand
-    # after each stage's last backward, rank 0 would reduce chunk 3 first and rank 3 chunk 0.
-    compiled = lower(Schedule("replicas", P, M, 1, layout, eager_syncs(layout, orders)), costs)
-    return package(compiled, costs, model=model)
+    return package(lower(Schedule("replicas", P, M, 1, layout, tuple(orders)), costs), costs, model=model)
 
 
 def build_cases() -> dict[str, tuple[CompileResult, dict]]:
