@@ -7,8 +7,9 @@ give), bubble (1 - sum busy / (p · makespan), wall time), peak activations (sta
 rank's share of the model) and the wall-clock compile time. The machine is shared: the load
 average is printed before and after. A formula column shows "-" where no paper gives one.
 
-To add a family (e.g. a bidirectional schedule), append its name to SCHEDULES and, if a paper
-gives its figures, a Formula to FORMULAS; nothing else changes.
+To add a family, append its name to SCHEDULES and, if a paper gives its figures, a Formula to
+FORMULAS; nothing else changes. Chimera's formula holds with a backward as long as a forward
+(`--costs`-free here, so B = 2F: its column is the paper's claim, not what these costs allow).
 
 Run from the repository root:
     PYTHONPATH=$PWD python bench/schedules.py [--pp 4,8] [--schedules 1f1b,v-min]
@@ -37,6 +38,10 @@ SCHEDULES = [
     "v-half",
     "v-zb",
     "v-adaptive",
+    "chimera",
+    "bitpipe",
+    "dualpipe",
+    "dualpipev",
 ]
 PP = (4, 8, 16, 32)
 M_PER_P = (2, 4, 8)
@@ -82,6 +87,15 @@ FORMULAS: dict[str, Formula] = {
     ),
     "v-zb": ZERO,
     "v-adaptive": ZERO,
+    "chimera": Formula(
+        lambda p, m: (p - 2) / (2 * m + p - 2), lambda p, m: p, "(D-2)/(2N+D-2) if B=F"
+    ),
+    "dualpipe": Formula(
+        _idle_over(lambda p: p - 2, 3), lambda p, m: p + 1, "(PP/2-1)(F&B+B-3W), PP+1"
+    ),
+    "dualpipev": Formula(
+        _idle_over(lambda p: 2 * p - 2, 6), lambda p, m: p + 0.5, "PP=2p, (PP+1)/2 shares"
+    ),
 }
 
 
