@@ -15,18 +15,13 @@ import sys
 from functools import cache
 
 from passes.schedules.bidirectional import two_way_layout
+from passes.schedules.slots import fused_nodes
 from pipec.ir import Op, dependencies
 
 
 def shortest(d: int, n: int, backward: int) -> int:
     layout = two_way_layout(d, n, tuple(range(d)))
-    nodes = [
-        (k, s, i)
-        for pl in layout.pipelines
-        for s in pl.stages
-        for i in pl.mbs
-        for k in (Op.F, Op.BW)
-    ]
+    nodes = fused_nodes(layout)
     deps = {x: list(dependencies(layout, x)) for x in nodes}
     rank = {x: layout.stage_rank[x[1]] for x in nodes}
     dur = {x: 1 if x[0] is Op.F else backward for x in nodes}

@@ -19,17 +19,18 @@ from pipec.ir import Instr, Layout, Op, dependencies
 Node = tuple[Op, int, int]
 
 
+def fused_nodes(layout: Layout) -> list[Node]:
+    """The work graph's nodes when every backward is one fused BW: F and BW per stage and mb."""
+    return [
+        (k, s, i) for pl in layout.pipelines for s in pl.stages for i in pl.mbs for k in (Op.F, Op.BW)
+    ]
+
+
 def list_schedule(
     layout: Layout, priority: Callable[[Node], tuple], slots: Callable[[Node], int]
 ) -> tuple[tuple[Instr, ...], ...]:
     """Each rank's order of the work graph's F and BW ops under greedy list scheduling."""
-    nodes = [
-        (k, s, i)
-        for pl in layout.pipelines
-        for s in pl.stages
-        for i in pl.mbs
-        for k in (Op.F, Op.BW)
-    ]
+    nodes = fused_nodes(layout)
     waiting_on = {n: 0 for n in nodes}
     successors: dict[Node, list[Node]] = {n: [] for n in nodes}
     for n in nodes:
