@@ -5,7 +5,7 @@ a final LayerNorm and an LM head, tied to the token embedding or not. No dropout
 tests compare gradients bit for bit, and dropout would need the RNG replayed per stage.
 
 The code stays torch.fx friendly: no shape asserts, no mask buffer sliced by a traced length
-(attention is causal by flag), no optional targets (the loss lives in `loss_fn`).
+(attention is causal by flag), no optional targets (the loss is `pipec.frontend.next_token_loss`).
 
 Factories (`pipec compile examples/gpt.py:tiny`): `tiny`, `tiny_tied` run anywhere in seconds;
 `gpt3_96b` builds the paper-sized model on the meta device, good for tracing and FLOP-based cost
@@ -18,10 +18,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipec.frontend import ModelSpec
+from pipec.frontend import ModelSpec, token_model_spec
 from runtime.kernels import attention
 
 # Record `attention` as one call_function node: tracing into it would hit its Python dispatch
@@ -129,18 +128,11 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
-    """Next-token cross-entropy, averaged over the micro-batch's tokens."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
-
-
 def make_spec(cfg: GPTConfig, device: str = "cpu") -> ModelSpec:
     """A ModelSpec for `cfg`: the model and one random micro-batch of token ids and targets."""
-    with torch.device(device):
-        model = GPT(cfg).to(cfg.dtype)
-        idx = torch.randint(cfg.vocab_size, (cfg.micro_batch, cfg.seq_len))
-        target = torch.randint(cfg.vocab_size, (cfg.micro_batch, cfg.seq_len))
-    return ModelSpec(model, (idx,), target, loss_fn)
+    return token_model_spec(
+        lambda: GPT(cfg).to(cfg.dtype), cfg.vocab_size, cfg.micro_batch, cfg.seq_len, device
+    )
 
 
 def tiny() -> ModelSpec:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipec.frontend import ModelSpec
+from pipec.frontend import ModelSpec, token_model_spec
 from runtime.kernels import attention
 
 # One call_function node per attention: see examples/gpt.py.
@@ -135,18 +135,11 @@ class Llama(nn.Module):
         return self.output(self.norm(x))
 
 
-def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
-    """Next-token cross-entropy, averaged over the micro-batch's tokens."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
-
-
 def make_spec(cfg: LlamaConfig, device: str = "cpu") -> ModelSpec:
     """A ModelSpec for `cfg`: the model and one random micro-batch of token ids and targets."""
-    with torch.device(device):
-        model = Llama(cfg).to(cfg.dtype)
-        tokens = torch.randint(cfg.vocab_size, (cfg.micro_batch, cfg.seq_len))
-        target = torch.randint(cfg.vocab_size, (cfg.micro_batch, cfg.seq_len))
-    return ModelSpec(model, (tokens,), target, loss_fn)
+    return token_model_spec(
+        lambda: Llama(cfg).to(cfg.dtype), cfg.vocab_size, cfg.micro_batch, cfg.seq_len, device
+    )
 
 
 def tiny() -> ModelSpec:

@@ -230,10 +230,6 @@ class Schedule:
     layout: Layout
     orders: tuple[Program, ...]
 
-    @cached_property
-    def split_bw(self) -> bool:
-        return any(i.op is Op.W for order in self.orders for i in order)
-
 
 @dataclass(frozen=True)
 class Compiled:

@@ -6,9 +6,18 @@ the stage modules for tests and tools. See pipec/frontend/README_SECTION.md.
 
 from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, measure_stash_bytes
 from pipec.frontend.plan import DEFAULT_FLOPS_PER_S, build_model_plan, build_stages, split_model
-from pipec.frontend.spec import DEFAULT_SEED, FrontendError, ModelSpec, load_factory
+from pipec.frontend.spec import (
+    DEFAULT_SEED,
+    FrontendError,
+    ModelSpec,
+    load_factory,
+    next_token_loss,
+    token_model_spec,
+)
 
 __all__ = [
+    "next_token_loss",
+    "token_model_spec",
     "DEFAULT_FLOPS_PER_S",
     "DEFAULT_SEED",
     "Costs",

@@ -73,6 +73,23 @@ class ModelSpec:
             raise FrontendError("ModelSpec.loss_fn must be callable: (output, target) -> loss")
 
 
+def next_token_loss(logits: Tensor, target: Tensor) -> Tensor:
+    """Next-token cross-entropy, averaged over the micro-batch's tokens."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def token_model_spec(
+    build: Callable[[], nn.Module], vocab: int, micro_batch: int, seq_len: int, device: str = "cpu"
+) -> ModelSpec:
+    """A language model's ModelSpec: the model `build` makes (on `device`) and one random
+    micro-batch of token ids and next-token targets, scored with `next_token_loss`."""
+    with torch.device(device):
+        model = build()
+        tokens = torch.randint(vocab, (micro_batch, seq_len))
+        target = torch.randint(vocab, (micro_batch, seq_len))
+    return ModelSpec(model, (tokens,), target, next_token_loss)
+
+
 def load_factory(spec: str, seed: int = DEFAULT_SEED) -> ModelSpec:
     """Import the factory named by `spec`, seed torch with `seed`, call it, check the result.
 
