@@ -1,10 +1,14 @@
 """Chimera and BitPipe: the papers' figures, weights held twice, and the replica all-reduce."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 from pipec.ir import COMPUTE_OPS, Instr, Op
 from tests.helpers import peaks, run
 
+BENCH = Path(__file__).resolve().parent.parent / "bench"
 EQUAL_FB = "F=1,B=1,W=0"  # a fused backward as long as a forward
 # Default unit costs make a fused backward B+W = 2F: the B = 2F of the BitPipe figure.
 
@@ -17,10 +21,22 @@ def test_chimera_bubble_ratio_is_the_papers(d, n):
     assert r.sim.span_bubble == pytest.approx((d - 2) / (2 * n + d - 2))
 
 
+def _shortest_chimera(d: int, n: int, backward: int) -> int:
+    """The exhaustive search of `bench/chimera_optimum.py` (loaded by path: bench is not a package)."""
+    spec = importlib.util.spec_from_file_location("chimera_optimum", BENCH / "chimera_optimum.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.shortest(d, n, backward)
+
+
 def test_chimera_with_backward_twice_the_forward():
-    """With B = 2F no order reaches the formula at D=N=4 (an exhaustive search of active
-    schedules, README_BIDIR.md, finds 16 slots at best, bubble 0.25); this order takes 16."""
-    assert run("chimera", 4, 4).sim.makespan == 16
+    """The paper's formula counts a forward and a backward as one slot each. With B = 2F no
+    order reaches it at D=N=4: the shortest iteration over all active schedules is 16 slots
+    (bubble 0.25, not 0.2), and ours takes exactly that. With B = F the search and the
+    formula agree (10 slots, 0.2)."""
+    assert _shortest_chimera(4, 4, 2) == 16 == run("chimera", 4, 4).sim.makespan
+    assert 1 - 4 * 3 / 16 > (4 - 2) / (2 * 4 + 4 - 2)
+    assert _shortest_chimera(4, 4, 1) == 10 == run("chimera", 4, 4, costs=EQUAL_FB).sim.makespan
 
 
 @pytest.mark.parametrize("d, n", [(4, 4), (8, 8), (8, 16), (6, 18)])
