@@ -58,14 +58,14 @@ def simulated(max_p: int) -> None:
 
 
 def measured() -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="pipec-stash-"))
     stats = {}
-    for k, (name, options) in enumerate(RUNS.items()):
-        build = tmp / f"run{k}"
-        emit(compile_model(DEEP, name.split()[0], RUN_P, RUN_M, **options), build)
-        cmd, env = torchrun(build / "launch.py", RUN_P, "--steps", "1", "--threads", "1")
-        subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-        stats[name] = json.loads((build / "measured/stats.json").read_text())["ranks"]
+    with tempfile.TemporaryDirectory(prefix="pipec-stash-") as tmp:
+        for k, (name, options) in enumerate(RUNS.items()):
+            build = Path(tmp) / f"run{k}"
+            emit(compile_model(DEEP, name.split()[0], RUN_P, RUN_M, **options), build)
+            cmd, env = torchrun(build / "launch.py", RUN_P, "--steps", "1", "--threads", "1")
+            subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+            stats[name] = json.loads((build / "measured/stats.json").read_text())["ranks"]
     print(f"\nmeasured, examples/gpt.py:deep, p={RUN_P}, m={RUN_M}, one step, gloo")
     print("| rank | " + " | ".join(f"{n} measured / simulated bytes" for n in RUNS) + " |")
     print("|---|" + "---|" * len(RUNS))
