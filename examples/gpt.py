@@ -7,9 +7,9 @@ tests compare gradients bit for bit, and dropout would need the RNG replayed per
 The code stays torch.fx friendly: no shape asserts, no mask buffer sliced by a traced length
 (attention is causal by flag), no optional targets (the loss is `pipec.frontend.next_token_loss`).
 
-Factories (`pipec compile examples/gpt.py:tiny`): `tiny`, `tiny_tied` run anywhere in seconds;
-`gpt3_96b` builds the paper-sized model on the meta device, good for tracing and FLOP-based cost
-estimates, never for running.
+Factories (`pipec compile examples/gpt.py:tiny`): `tiny`, `tiny_tied` and `deep` (16 narrow
+layers, for 8 ranks of a V-shape) run anywhere in seconds; `gpt3_96b` builds the paper-sized
+model on the meta device, good for tracing and FLOP-based cost estimates, never for running.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class GPTConfig:
 
 
 TINY = GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_heads=4, n_layers=8)
+# Deep and narrow: 16 one-layer chunks, so 8 ranks can hold a V-shape each. V-Min's rank-0
+# stash is (p+4)//3 of 1F1B's p stashes at best: under 0.4x first at p=8 (3 of 8).
+DEEP = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=16)
 
 # GPT-3 96B as evaluated by BPipe (Kim et al., ICML 2023) and its re-evaluation (Huang et al.,
 # 2024). We could not consult the papers' configuration tables offline, so the shape is chosen
@@ -138,6 +141,11 @@ def make_spec(cfg: GPTConfig, device: str = "cpu") -> ModelSpec:
 def tiny() -> ModelSpec:
     """8 layers, d=64: trains on a CPU in seconds."""
     return make_spec(TINY)
+
+
+def deep() -> ModelSpec:
+    """16 layers, d=32: 8 ranks of a V-shape (16 chunks) on a CPU in seconds."""
+    return make_spec(DEEP)
 
 
 def tiny_tied() -> ModelSpec:

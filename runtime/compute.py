@@ -80,6 +80,8 @@ def recompute(rt: Rank, instr: Instr) -> None:
     """Re-run F(s, mb) from its stashed inputs, this time keeping what the backward needs."""
     s, mb = instr.stage, instr.mb
     stash = rt.stashes[(s, mb)]
+    if stash.loading:
+        finish_load(rt, s, mb, stash)
     inputs = _leaves(stash.inputs)
     saved = SavedTensors(rt.param_keys[s])
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
@@ -104,15 +106,17 @@ def backward(rt: Rank, instr: Instr) -> None:
         pairs = [(o, g) for o, g in zip(stash.outputs, received) if o.requires_grad]
         outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
     module = rt.modules[s]
+    held = 0
     if instr.op is Op.B:
         input_grads = bwsplit.B(module, mb, outputs, grads, stash.inputs)
-        held = bwsplit.held_bytes(module, mb)
-        rt.held[(s, mb)] = held
-        rt.account(held)
+        held = rt.held[(s, mb)] = bwsplit.held_bytes(module, mb)
     else:
         torch.autograd.backward(outputs, grads)
         input_grads = tuple(x.grad if x.requires_grad else None for x in stash.inputs)
-    rt.account(-stash.nbytes)
+    # One net change, as the simulator counts B: what W still needs (the Linear inputs) shares
+    # storages with the stash, so adding it before releasing the stash counted them twice and
+    # made a transient peak of stash + held that no op-level model has.
+    rt.account(held - stash.nbytes)
     prev = rt.layout.prev_stage(s)
     if prev is not None:
         sent = tuple(

@@ -5,7 +5,8 @@ size and then the buffer to the acceptor (non-blocking) and drops them here. ACC
 the size, then posts the receive of the buffer and holds it. RETURN sends the held buffer back
 and forgets it. LOAD posts the receive of the buffer coming back; the backward (or RECOMPUTE)
 that needs the stash waits for it and rebuilds the saved tensors. The memory meter counts the
-buffer on whichever rank holds it.
+buffer on whichever rank holds it. A forward that will be recomputed kept only its inputs:
+those are what EVICT moves, and LOAD brings them back before RECOMPUTE.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from pipec.ir import Instr
 from runtime.p2p import Kind
-from runtime.stash import Stash
+from runtime.stash import SavedTensors, Stash
 
 if TYPE_CHECKING:
     from runtime.rank import Rank
@@ -24,14 +25,25 @@ if TYPE_CHECKING:
 
 def _stash(rt: Rank, instr: Instr) -> Stash:
     stash = rt.stashes.get((instr.stage, instr.mb))
-    if stash is None or stash.saved is None:
+    if stash is None:
         raise RuntimeError(f"{instr}: no stash of s={instr.stage} mb={instr.mb} here to move")
     return stash
 
 
+def _moved(stash: Stash) -> SavedTensors:
+    """What EVICT moves: autograd's saved tensors, or the inputs of a forward that ran without
+    autograd (to be recomputed), held as saved tensors until they are back."""
+    if stash.saved is None:
+        stash.saved = SavedTensors(frozenset())
+        for x in stash.inputs:
+            stash.saved.pack(x)
+        stash.inputs = ()
+    return stash.saved
+
+
 def evict(rt: Rank, instr: Instr) -> None:
     stash = _stash(rt, instr)
-    buffer = stash.saved.evict()
+    buffer = _moved(stash).evict()
     stash.evicted_size = buffer.numel()
     size = torch.tensor([buffer.numel()], dtype=torch.int64, device=rt.device)
     rt.comm.send(Kind.STASH_SIZE, instr.stage, instr.mb, instr.peer, [size])
@@ -70,3 +82,6 @@ def finish_load(rt: Rank, stage: int, mb: int, stash: Stash) -> None:
     """Wait for a loaded stash and rebuild its saved tensors (before their first use)."""
     stash.saved.restore(rt.comm.take(Kind.STASH_BACK, stage, mb)[0])
     stash.loading = False
+    if stash.outputs is None:  # not recomputed yet: what came back are its inputs
+        stash.inputs = tuple(h.tensor for h in stash.saved.handles)
+        stash.saved = None
