@@ -31,7 +31,7 @@ from passes.evict_plan import (
     view,
 )
 from passes.mapping import mirror_pairs
-from passes.rendezvous import events, knowledge
+from passes.rendezvous import Keys, knowledge, message_keys
 from passes.residency import NEEDS_MODEL
 from passes.simulate import activation_profile, play, uses_recompute
 from pipec.ir import Compiled, Instr, Layout, Op, PipecError
@@ -67,6 +67,7 @@ class EvictionPlanner:
             for e, a in self.pairs
         }
         self._knows: dict[tuple[int, int], Knowledge] = {}
+        self._memo: dict[Instr, tuple] = {}  # a message's counterpart key
         self._done: dict[float, Compiled] = {}
 
     @property
@@ -74,8 +75,8 @@ class EvictionPlanner:
         return max(rk.peak for rk in self.ranks)
 
     @cached_property
-    def _events(self) -> list[tuple[int, int]]:
-        return events(self.compiled)
+    def _keys(self) -> list[Keys]:
+        return [message_keys(self.compiled, r, self._memo) for r in range(len(self.ranks))]
 
     def evict(self, limit: float) -> Compiled:
         """The programs with every rank held to `limit` (stashes, or bytes); an infeasible
@@ -157,7 +158,7 @@ class EvictionPlanner:
             if rk.peak > limit + EPS and rk.rank not in paired:
                 raise Infeasible(f"rank {rk.rank} holds {self.amount(rk.peak)} and has no partner")
         programs = list(self.compiled.programs)
-        changed = False
+        now, keys = self.compiled, list(self._keys)
         for e, a in self.pairs:
             ev, ac = self.ranks[e], self.ranks[a]
             if ev.peak <= limit + EPS:
@@ -166,9 +167,8 @@ class EvictionPlanner:
                 raise Infeasible(
                     f"rank {a} holds {self.amount(ac.peak)} of its own, so it cannot take rank {e}'s"
                 )
-            if changed:  # test against the programs with the previous pairs' moves in
-                now = replace(self.compiled, programs=tuple(programs))
-                knows = knowledge(events(now), len(programs), e, a)
+            if now is not self.compiled:  # against the programs with earlier pairs' moves in
+                knows = knowledge(now, keys, e, a)
             else:
                 knows = self._knowledge(e, a)
             moves, placed = self._plan_pair(ev, ac, limit, knows)
@@ -178,12 +178,17 @@ class EvictionPlanner:
                 new_e.append((gap_e, j, Instr(ops[0], s, mb, a)))
                 new_a.append((gap_a, i, Instr(ops[1], s, mb, e)))
             programs[e], programs[a] = insert(ev, new_e), insert(ac, new_a)
-            changed = changed or bool(moves)
-        return replace(self.compiled, programs=tuple(programs))
+            if moves:
+                now = replace(self.compiled, programs=tuple(programs))
+                keys[e], keys[a] = (
+                    message_keys(now, e, self._memo),
+                    message_keys(now, a, self._memo),
+                )
+        return now
 
     def _knowledge(self, e: int, a: int) -> Knowledge:
         if (e, a) not in self._knows:
-            self._knows[(e, a)] = knowledge(self._events, len(self.ranks), e, a)
+            self._knows[(e, a)] = knowledge(self.compiled, self._keys, e, a)
         return self._knows[(e, a)]
 
     def _plan_pair(
