@@ -68,12 +68,16 @@ def knowledge(compiled: Compiled, keys: list[Keys], e: int, a: int) -> tuple[lis
             k += 1
             pos[q] += 1
             ready.append(q)
-            x, y = max(knows_e[r], knows_e[q]), max(knows_a[r], knows_a[q])
-            with_e = r == e or q == e
-            if with_e:
-                x = len(on_e)
-            if r == a or q == a:
-                y = len(on_a)
+            with_e, with_a = r == e or q == e, r == a or q == a
+            if not (with_e or with_a):  # the common case, kept cheap: both learn what either knew
+                if knows_e[r] != knows_e[q]:
+                    knows_e[r] = knows_e[q] = max(knows_e[r], knows_e[q])
+                if knows_a[r] != knows_a[q]:
+                    knows_a[r] = knows_a[q] = max(knows_a[r], knows_a[q])
+                continue
+            x = len(on_e) if with_e else max(knows_e[r], knows_e[q])
+            y = len(on_a) if with_a else max(knows_a[r], knows_a[q])
+            if with_a:
                 on_a.append(x)
             if with_e:
                 on_e.append(y)
