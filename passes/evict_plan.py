@@ -100,17 +100,18 @@ def view(r: int, prog: Program, times: dict, profile: list[float]) -> RankView:
     return RankView(r, prog, comp, start, clock, level, msgs, first, last, fwd, use, table)
 
 
-def plan_evictor(e: RankView, limit: float, size: float, tau: float) -> list[Move]:
-    """Belady with prefetch on one evicting rank, `tau` the lead; raises Infeasible."""
+def plan_evictor(e: RankView, limit: float, size: Sequence[float], tau: float) -> list[Move]:
+    """Belady with prefetch on one evicting rank, `tau` the lead, `size[stage]` the memory one
+    of the stage's stashes holds (the measure of `limit`); raises Infeasible."""
     n = len(e.comp)
     out: list[Move] = []
     heap: list[tuple[int, int, Stash]] = []  # resident evictable stashes, furthest use first
     loads_at: dict[int, list[Stash]] = {}
-    off = 0.0  # stash units evicted now
+    off = 0.0  # memory evicted now
     for g in range(n):
         due = loads_at.pop(g, [])
         rise = max(e.level[g + 1] - e.level[g], 0.0)
-        while e.level[g] - off + size * len(due) + rise > limit + EPS:
+        while (need := e.level[g] - off + sum(size[x[0]] for x in due) + rise) > limit + EPS:
             while heap and -heap[0][0] <= g:  # used already
                 heapq.heappop(heap)
             if heap:
@@ -120,7 +121,7 @@ def plan_evictor(e: RankView, limit: float, size: float, tau: float) -> list[Mov
                 ev = min(g, max(f + 1, bisect.bisect_right(e.clock, e.start[g] - tau + EPS) - 1))
                 back = bisect.bisect_right(e.clock, e.start[u] - tau + EPS) - 1
                 loads_at.setdefault(min(u, max(g + 1, back)), []).append(x)
-                off += size
+                off += size[x[0]]
                 # Hoisted to an earlier gap it is not needed for that gap's loads: after them,
                 # so that the acceptor does not hold both at once.
                 out.append((ev, 0 if ev == g else 2, len(out), "evict", x))
@@ -128,14 +129,13 @@ def plan_evictor(e: RankView, limit: float, size: float, tau: float) -> list[Mov
             later = [x for x in due if e.use[x] > g]
             if not later:
                 raise Infeasible(
-                    f"rank {e.rank} needs {e.level[g] - off + size * len(due) + rise:g} stashes "
-                    f"at {e.prog[e.comp[g]]} with nothing left to evict"
+                    f"rank {e.rank} needs {need:g} at {e.prog[e.comp[g]]} with nothing left to evict"
                 )
             x = max(later, key=e.use.__getitem__)  # load it one op later instead
             due.remove(x)
             loads_at.setdefault(g + 1, []).append(x)
         for x in due:
-            off -= size
+            off -= size[x[0]]
             out.append((g, 1, len(out), "load", x))
         x = e.fwd.get(g)
         if x is not None and x in e.use:
@@ -168,16 +168,16 @@ def place_on_acceptor(
     a: RankView,
     moves: Sequence[Move],
     limit: float,
-    size: float,
+    size: Sequence[float],
     knows: tuple[list[int], list[int]],
 ) -> list[tuple[int, int, int]]:
     """Per move: the acceptor's gap and the message counts (j on e, i on a) to put the pair
-    after; raises Infeasible."""
+    after (`size` as for `plan_evictor`); raises Infeasible."""
     out: list[tuple[int, int, int]] = []
     prev_gap, after, held = 0, (0, 0), 0.0
     last = len(a.clock) - 1
     for gap_e, _, _, kind, x in moves:
-        now = held + (size if kind == "evict" else -size)
+        now = held + (size[x[0]] if kind == "evict" else -size[x[0]])
         pref = max(prev_gap, bisect.bisect_right(a.clock, e.clock[gap_e] + EPS) - 1)
         spot = None
         for ga in chain(range(pref, prev_gap - 1, -1), range(pref + 1, last + 1)):

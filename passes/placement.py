@@ -24,9 +24,15 @@ MAPPINGS = (*PLACEMENTS, "auto")
 
 
 def place(
-    schedule: Schedule, costs: CostModel, mapping: str, evict: bool, limit: float | None
+    schedule: Schedule,
+    costs: CostModel,
+    mapping: str,
+    evict: bool,
+    limit: float | None,
+    in_bytes: bool = False,
 ) -> tuple[Compiled, str, float | None]:
-    """The lowered (with `evict`, evicted) programs, the placement used and the limit."""
+    """The lowered (with `evict`, evicted) programs, the placement used and the limit (in
+    stashes per rank, or with `in_bytes` in bytes of stash per rank)."""
     if mapping not in MAPPINGS:
         raise PipecError(f"unknown --mapping '{mapping}'; valid: {', '.join(MAPPINGS)}")
     layout, topology = schedule.layout, costs.topology
@@ -46,7 +52,7 @@ def place(
 
     @cache
     def planner(devices: tuple[int, ...]) -> EvictionPlanner:
-        return EvictionPlanner(lowered(devices), costs)
+        return EvictionPlanner(lowered(devices), costs, in_bytes)
 
     if evict and limit is None:
         limit = min(planner(d).smallest_feasible() for d in options.values())

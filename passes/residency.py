@@ -6,12 +6,23 @@ must LOAD it back before that read: a stash is never used while evicted, an EVIC
 back exactly once, and only a stash that F made and nothing has read yet can be evicted (what
 B leaves for W stays put). On the acceptor every ACCEPTed stash is held until its RETURN, and
 nothing is held at the end. That the halves match across ranks, in a deadlock-free order, is
-`check_execution`'s part; that the acceptor stays within the limit, `check_memory`'s.
+`check_execution`'s part; that the acceptor stays within the limit, `check_memory`'s (in
+stashes) or `check_stash_bytes`'s (a limit in bytes, with a model).
 """
 
 from __future__ import annotations
 
-from pipec.ir import Compiled, Op
+from typing import TYPE_CHECKING
+
+from pipec.ir import Compiled, Op, PipecError
+
+if TYPE_CHECKING:
+    from passes.simulate import SimResult
+
+NEEDS_MODEL = (
+    "a --memory-limit in bytes needs a MODEL (path/to/file.py:factory) to measure stash bytes; "
+    "without one give stashes per rank, e.g. --memory-limit 5"
+)
 
 _READS = frozenset({Op.RECOMPUTE, Op.B, Op.BW, Op.W})
 
@@ -60,3 +71,18 @@ def check_residency(compiled: Compiled) -> None:
                     f"rank {r}, instruction {pos} ({what} s={s} mb={mb}): {undo} "
                     f"({len(left)} such on this rank)"
                 )
+
+
+def check_stash_bytes(sim: SimResult, limit: float) -> None:
+    """A limit in bytes: every rank's simulated peak of stash bytes (each stash weighing its
+    stage's measured bytes, on whichever rank holds it) is within `limit`."""
+    from passes.verify import VerifyError
+
+    for r, rank in enumerate(sim.ranks):
+        if rank.peak_stash_bytes is None:
+            raise PipecError(NEEDS_MODEL)
+        if rank.peak_stash_bytes > limit + 0.5:  # the simulator rounds to whole bytes
+            raise VerifyError(
+                f"rank {r}: {rank.peak_stash_bytes}B of stash live at its peak, over the limit "
+                f"{limit:.0f}B; raise --memory-limit or add --evict"
+            )

@@ -14,9 +14,11 @@ from pathlib import Path
 import click
 
 from codegen.render import measured_table, terminal_gantt
-from passes.costs import parse_costs, parse_mem
+from passes.costs import CostModel, parse_costs, parse_mem
+from passes.evict import amount
 from passes.placement import MAPPINGS
 from passes.registry import SCHEDULES, family
+from passes.residency import NEEDS_MODEL, check_stash_bytes
 from passes.simulate import SimResult, simulate
 from passes.topology import Topology, make_topology
 from passes.verify import verify
@@ -38,7 +40,7 @@ def _schedule_options(fn: Callable) -> Callable:
         click.option("--chunks", "-v", type=int, default=None, help="Chunks per rank v (default: the family's)."),
         click.option("--costs", default="", help="Per-op costs, e.g. F=1,B=1,W=1,comm=0 (F=1:2:1:1 per chunk)."),
         click.option("--mem", default="", help="Memory per op in stashes, e.g. F=1,W=-0.5 (B nets the rest)."),
-        click.option("--memory-limit", type=float, default=None, help="Peak activations cap per rank, in stashes (--evict: evict down to it)."),
+        click.option("--memory-limit", default=None, help="Peak activations cap per rank: stashes (5), or with MODEL bytes of stash (40GiB); --evict evicts down to it."),
         click.option("--evict", is_flag=True, help="BPipe: evict stashes to a partner rank to meet --memory-limit (alone: the smallest feasible limit)."),
         click.option("--nodes", type=int, default=None, help="Nodes the pipeline spans (one rank per GPU)."),
         click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: --pp / --nodes)."),
@@ -56,6 +58,9 @@ def _compile(
     model=None, partition=None, profile=False, dp=1,
 ) -> CompileResult:
     cost_model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
+    memory_limit, in_bytes = _memory_limit(memory_limit)
+    if in_bytes and model is None:
+        raise PipecError(NEEDS_MODEL)
     if sum(x is not None for x in (schedule, from_torch, from_torch_csv)) != 1:
         raise click.UsageError("give one of --schedule, --from-torch or --from-torch-csv")
     if model is None and (partition is not None or profile):
@@ -86,28 +91,58 @@ def _compile(
         )
     return compile_model(
         model, schedule, pp, microbatches, chunks, cost_model, memory_limit,
-        partition or "balanced", profile, dp, evict, mapping,
+        partition or "balanced", profile, dp, evict, mapping, in_bytes,
     )
 
 
-def _eviction(sim: SimResult, topology: Topology | None, limit: float | None) -> dict:
-    """What eviction did in one iteration, for printing and for --json."""
-    g = topology.gpus_per_node if topology else None
+def _memory_limit(text: str | None) -> tuple[float | None, bool]:
+    """`--memory-limit`: a plain number is stashes per rank; with a unit (40GiB) bytes."""
+    if text is None:
+        return None, False
+    try:
+        return float(text), False
+    except ValueError:
+        from pipec.plan.memory import parse_bytes
+
+        return float(parse_bytes(text, "--memory-limit")), True
+
+
+def _eviction(sim: SimResult, layout: Layout, costs: CostModel, plan: dict) -> dict:
+    """What eviction did in one iteration, for printing and for --json; with a model, the
+    limit and the moved stashes also in bytes (each stash weighs its stage's stash bytes)."""
+    g = costs.topology.gpus_per_node if costs.topology else None
     inter = sum(t.size for t in sim.transfers if g and t.src // g != t.dst // g)
-    return {
-        "memory_limit": limit,
+    out = {
+        "memory_limit": plan["memory_limit"],
         "evicted": sum(t.kind == "evict" for t in sim.transfers),
         "moved_stashes": round(sim.moved, 9),
         "moved_inter_node": round(inter, 9),
     }
+    if costs.stash_bytes:
+        chunk, share = layout.stage_chunk, layout.stash_share
+        per_unit = [b / costs.mem_F / share for b in costs.stash_bytes]
+        out["moved_bytes"] = round(sum(t.size * per_unit[chunk[t.stage]] for t in sim.transfers))
+        out["peak_stash_bytes"] = max(r.peak_stash_bytes for r in sim.ranks)
+        if "memory_limit_bytes" in plan:
+            out["memory_limit_bytes"] = plan["memory_limit_bytes"]
+    return out
 
 
-def _eviction_line(sim: SimResult, topology: Topology | None, limit: float | None) -> str:
-    figures = _eviction(sim, topology, limit)
+def _eviction_line(sim: SimResult, layout: Layout, costs: CostModel, plan: dict) -> str:
+    figures = _eviction(sim, layout, costs, plan)
+    if "memory_limit_bytes" in figures:
+        limit = f"{amount(figures['memory_limit_bytes'], True)} of stash"
+    else:
+        limit = f"{figures['memory_limit']:g} stashes"
+    moved = f"{figures['moved_stashes']:g} stash units"
+    peak = ""
+    if "moved_bytes" in figures:
+        moved += f" ({figures['moved_bytes']}B)"
+        peak = f"; peak {amount(figures['peak_stash_bytes'], True)} of stash on a rank"
     return (
-        f"evict: limit {figures['memory_limit']:g} stashes per rank; {figures['evicted']} "
-        f"stashes evicted and loaded back, {figures['moved_stashes']:g} stash units moved per "
-        f"iteration ({figures['moved_inter_node']:g} over inter-node links)"
+        f"evict: limit {limit} per rank; {figures['evicted']} stashes evicted and loaded back, "
+        f"{moved} moved per iteration ({figures['moved_inter_node']:g} over inter-node "
+        f"links){peak}"
     )
 
 
@@ -175,29 +210,28 @@ def compile_cmd(out: Path, force: bool, **opts) -> None:
         f"makespan {sim.makespan:.6g}, bubble {sim.bubble:.4f}, span_bubble {sim.span_bubble:.4f}"
     )
     if result.plan.get("evict"):
-        click.echo(_eviction_line(sim, result.costs.topology, result.plan["memory_limit"]))
+        click.echo(_eviction_line(sim, result.compiled.layout, result.costs, result.plan))
 
 
 @cli.command("simulate")
+@click.argument("model", required=False)
 @_schedule_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 def simulate_cmd(as_json: bool, **opts) -> None:
-    """Simulate a schedule and print per-rank figures; writes nothing."""
+    """Simulate a schedule (for MODEL, path/to/file.py:factory, if given); writes nothing."""
     result = _compile(**opts)
-    evicted, limit = result.plan.get("evict"), result.plan["memory_limit"]
-    topology = result.costs.topology
+    evicted, c = result.plan.get("evict"), result.compiled
     if as_json:
-        c = result.compiled
         out = {"schedule": c.schedule, "p": c.p, "m": c.m, "v": c.v} | result.sim.to_json()
         if evicted:
-            out |= _eviction(result.sim, topology, limit)
+            out |= _eviction(result.sim, c.layout, result.costs, result.plan)
         if "mapping" in result.plan:
             out["mapping"] = result.plan["mapping"]
         click.echo(json.dumps(out, sort_keys=True))
     else:
         click.echo(_rank_table(result.sim))
         if evicted:
-            click.echo(_eviction_line(result.sim, topology, limit))
+            click.echo(_eviction_line(result.sim, c.layout, result.costs, result.plan))
 
 
 @cli.command()
@@ -218,7 +252,7 @@ def show(directory: Path, lines: int, width: int) -> None:
     sim = simulate(c.layout, c.programs, build.costs)
     click.echo(_rank_table(sim))
     if build.plan.get("evict"):
-        click.echo(_eviction_line(sim, build.costs.topology, build.plan["memory_limit"]))
+        click.echo(_eviction_line(sim, c.layout, build.costs, build.plan))
     click.echo(_placement_table(c.layout, build.costs.topology))
     click.echo(terminal_gantt(sim, width))
     measured = directory / "measured" / "stats.json"
@@ -234,6 +268,8 @@ def verify_cmd(directory: Path) -> None:
     c = build.compiled
     verify(c, build.costs, None, build.plan.get("memory_limit"))
     sim = simulate(c.layout, c.programs, build.costs)
+    if build.plan.get("memory_limit_bytes") is not None:
+        check_stash_bytes(sim, build.plan["memory_limit_bytes"])
     n = sum(len(p) for p in c.programs)
     click.echo(
         f"ok: {c.world} ranks, {n} instructions verified (coverage, dependencies, "

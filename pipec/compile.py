@@ -18,6 +18,7 @@ from passes.data_parallel import add_dp_sync
 from passes.lower import lower
 from passes.placement import place
 from passes.registry import Request, build_schedule, family
+from passes.residency import check_stash_bytes
 from passes.simulate import Played, SimResult, play, simulate
 from passes.verify import verify
 from pipec.ir import Compiled, PipecError, Schedule
@@ -66,20 +67,25 @@ def compile_schedule(
     dp: int = 1,
     evict: bool = False,
     mapping: str = "sequential",
+    limit_in_bytes: bool = False,
 ) -> CompileResult:
     """Build a registered family's schedule, then lower, simulate and verify it.
 
     `dp` > 1 adds data-parallel gradient sync; the world is then p·dp ranks. With `evict`,
     the family builds its schedule without the memory limit and eviction holds every rank
-    to it (to the smallest feasible limit when none is given).
+    to it (to the smallest feasible limit when none is given). `limit_in_bytes`: the limit
+    is bytes of stash per rank (needs the model's `costs.stash_bytes`); the family does not
+    see it, eviction holds ranks to it and the simulated bytes are checked against it.
     """
     if dp < 1:
         raise PipecError(f"--dp must be at least 1 (got {dp})")
     v = family(schedule).default_v if v is None else v
     with gc_paused():
-        req = Request(p, m, v, costs, None if evict else memory_limit)
+        req = Request(p, m, v, costs, None if evict or limit_in_bytes else memory_limit)
         sched = build_schedule(schedule, req)
-        return compile_from_schedule(sched, costs, memory_limit, model, dp, evict, mapping)
+        return compile_from_schedule(
+            sched, costs, memory_limit, model, dp, evict, mapping, limit_in_bytes
+        )
 
 
 def compile_from_schedule(
@@ -90,19 +96,24 @@ def compile_from_schedule(
     dp: int = 1,
     evict: bool = False,
     mapping: str = "sequential",
+    limit_in_bytes: bool = False,
 ) -> CompileResult:
     """Lower, simulate and verify a schedule built anywhere (a family, an imported order)."""
     with gc_paused():
         costs.check_chunks(sched.layout.n_chunks)
         played = None
         if evict or mapping != "sequential":
-            compiled, mapping, memory_limit = place(sched, costs, mapping, evict, memory_limit)
+            compiled, mapping, memory_limit = place(
+                sched, costs, mapping, evict, memory_limit, limit_in_bytes
+            )
         else:  # the common case: one play serves lowering and simulation (orders are kept)
             played = play(sched.layout, sched.orders, costs)
             compiled = lower(sched, costs, played)
         if dp > 1:
             compiled = add_dp_sync(compiled)
-        return package(compiled, costs, memory_limit, model, dp, played, evict, mapping)
+        return package(
+            compiled, costs, memory_limit, model, dp, played, evict, mapping, limit_in_bytes
+        )
 
 
 def package(
@@ -114,10 +125,14 @@ def package(
     played: Played | None = None,
     evict: bool = False,
     mapping: str = "sequential",
+    limit_in_bytes: bool = False,
 ) -> CompileResult:
     """Simulate and verify lowered programs and make their plan (also hand-written programs)."""
     sim = simulate(compiled.layout, compiled.programs, costs, played)
-    verify(compiled, costs, [r.peak_activations for r in sim.ranks], memory_limit)
+    stashes_limit = None if limit_in_bytes else memory_limit
+    verify(compiled, costs, [r.peak_activations for r in sim.ranks], stashes_limit)
+    if limit_in_bytes:
+        check_stash_bytes(sim, memory_limit)
     plan = {
         "format": PLAN_FORMAT,
         "schedule": compiled.schedule,
@@ -127,7 +142,7 @@ def package(
         "world": compiled.world,
         "layout": compiled.layout.to_json(),
         "costs": costs.to_json(),
-        "memory_limit": memory_limit,
+        "memory_limit": stashes_limit,
         "model": model,
     }
     # Keys only where used, so that plans without them (and golden headers) keep their hash.
@@ -137,5 +152,7 @@ def package(
         plan["evict"] = True
     if mapping != "sequential":
         plan["mapping"] = mapping
+    if limit_in_bytes:
+        plan["memory_limit_bytes"] = memory_limit
     text = dump_json(plan)
     return CompileResult(compiled, sim, costs, plan, text, plan_hash(text))

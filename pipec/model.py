@@ -47,8 +47,10 @@ def compile_model(
     dp: int = 1,
     evict: bool = False,
     mapping: str = "sequential",
+    limit_in_bytes: bool = False,
 ) -> CompileResult:
-    """Trace and measure the model of `spec` for this schedule's layout, then compile."""
+    """Trace and measure the model of `spec` for this schedule's layout, then compile
+    (`limit_in_bytes`: `memory_limit` is bytes of stash per rank, as measured)."""
     from pipec.frontend import FrontendError, build_model_plan  # torch: only with a model
 
     default = CostModel()
@@ -56,7 +58,8 @@ def compile_model(
     if (costs.F, costs.B, costs.W) != (default.F, default.B, default.W):
         raise PipecError("--costs F/B/W come from the model; with MODEL give only comm=")
     v = family(schedule).default_v if v is None else v
-    layout = build_schedule(schedule, Request(p, m, v, costs, None if evict else memory_limit)).layout
+    family_limit = None if evict or limit_in_bytes else memory_limit
+    layout = build_schedule(schedule, Request(p, m, v, costs, family_limit)).layout
     try:
         plan = build_model_plan(
             spec,
@@ -71,5 +74,5 @@ def compile_model(
     model = plan.to_json()
     return compile_schedule(
         schedule, p, m, v, model_costs(model, costs), memory_limit, model=model, dp=dp,
-        evict=evict, mapping=mapping,
+        evict=evict, mapping=mapping, limit_in_bytes=limit_in_bytes,
     )
