@@ -152,7 +152,9 @@ def _warmup(g: _Greedy, policy: Policy) -> None:
             extra[s] += 1
         first_b = max(clock, first_b + comm) + g.cost(Op.B, s)
     for s in range(1, p):
-        # Keep every stage strictly fewer forwards ahead than the one before it.
+        # A stage never runs a forward its predecessor has not (uneven costs can let a later
+        # stage fit more in its window), and stays strictly fewer ahead unless both run all m.
+        extra[s] = min(extra[s], extra[s - 1])
         while extra[s] > 0 and extra[s] >= extra[s - 1] and g.count[Op.F][s] + extra[s] < m:
             extra[s] -= 1
     for s in range(p):
