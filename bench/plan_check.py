@@ -68,22 +68,11 @@ def factory(tmp: Path, mbs: int) -> str:
 
 
 def compile_candidate(ev: Evaluated, spec: str, out: Path) -> None:
-    """Compile `ev` for the real model into `out` with the runtime's model-aware driver."""
-    from pipec.model import compile_model  # the runtime issue's driver
-
+    """Emit the programs the plan simulated for `ev`, with its costs (pipec.plan.build)."""
     from pipec.build_dir import emit
+    from pipec.plan.build import compile_candidate as build
 
-    req = ev.request
-    result = compile_model(
-        spec,
-        req.schedule,
-        req.p,
-        req.m,
-        req.v,
-        memory_limit=req.memory_limit,
-        **dict(req.options),
-    )
-    emit(result, out, force=True)
+    emit(build(ev, spec), out, force=True)
 
 
 def launch(out: Path, p: int, steps: int) -> None:
@@ -104,16 +93,13 @@ def launch(out: Path, p: int, steps: int) -> None:
 def read_measured(out: Path) -> tuple[float, list[int]]:
     """(iteration seconds, per-rank peak stash bytes) of the last run in `out`.
 
-    An iteration ends when its slowest rank does, so a step's time is the maximum over ranks;
-    the first step (allocations, first calls) is dropped and the median of the rest kept.
+    The runtime writes OUT/measured/stats.json (runtime/measure.py): per kept step (the
+    first, warm-up, left out) the iteration time in ms, the slowest rank's wall time from a
+    common barrier; per rank the peak stash bytes its saved-tensor hooks saw over all steps.
     """
-    files = sorted((out / "measured").glob("rank_*.json"))
-    if not files:
-        raise SystemExit(f"plan_check: no {out}/measured/rank_*.json; adapt read_measured")
-    ranks = [json.loads(f.read_text()) for f in files]
-    steps = list(zip(*(r["iteration_s"] for r in ranks)))
-    per_step = [max(step) for step in steps[1:] or steps]
-    return statistics.median(per_step), [int(r["peak_stash_bytes"]) for r in ranks]
+    stats = json.loads((out / "measured" / "stats.json").read_text())
+    per_step = [s["iteration_ms"] / 1e3 for s in stats["per_step"]]
+    return statistics.median(per_step), [int(r["peak_stash_bytes"]) for r in stats["ranks"]]
 
 
 def check_p(p: int, args: argparse.Namespace, tmp: Path) -> bool:

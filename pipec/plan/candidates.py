@@ -15,6 +15,7 @@ from typing import Any
 
 from passes.costs import CostModel
 from passes.registry import SCHEDULES, Request, build_schedule, family
+from passes.topology import Link, Topology
 from pipec.compile import compile_schedule
 from pipec.ir import Layout, PipecError
 from pipec.plan.facts import Chunks, ModelProfile
@@ -59,6 +60,9 @@ class PlanRequest:
     schedules: tuple[str, ...] = ()
     strategies: tuple[str, ...] = ()
     comm_s: float = 0.0
+    machine: Topology | None = None
+    """Nodes and links, bandwidths in bytes per second and latencies in seconds (None: every
+    transfer takes `comm_s`)."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,8 @@ class Evaluated:
     iteration_s: float
     bubble: float
     memory: tuple[RankMemory, ...]
+    costs: CostModel = field(repr=False, compare=False)
+    chunks: Chunks = field(repr=False, compare=False)
 
     @property
     def schedule(self) -> str:
@@ -173,16 +179,34 @@ class Evaluation:
     skipped: list[Skipped] = field(default_factory=list)
 
 
-def cost_model(chunks: Chunks, comm_s: float) -> CostModel:
-    """Per-chunk F/B/W in seconds; memory in stashes, recompute keeping the largest share of
-    its stash any chunk's input takes (conservative where chunks differ)."""
+def cost_model(
+    chunks: Chunks, layout: Layout, comm_s: float = 0.0, machine: Topology | None = None
+) -> CostModel:
+    """Per-chunk F/B/W in seconds and stash bytes; memory in stashes, recompute keeping the
+    largest share of its stash any chunk's input takes (conservative where chunks differ).
+
+    The simulator sizes a transfer in stash units (a rank's full share of the model); the
+    heaviest chunk prices the unit in bytes, so the machine's bytes-per-second links become
+    stash units per second and a message or an evicted stash crosses a link in about its
+    byte size over the link's bandwidth, plus the latency.
+    """
     keep = max(i / s for i, s in zip(chunks.input_bytes, chunks.stash_bytes))
+    topology = None
+    if machine is not None:
+        unit = max(chunks.stash_bytes) / layout.stash_share
+
+        def link(k: Link) -> Link:
+            return Link(k.bandwidth / unit, k.latency)
+
+        topology = replace(machine, intra=link(machine.intra), inter=link(machine.inter))
     return CostModel(
         F=tuple(c.F for c in chunks.seconds),
         B=tuple(c.B for c in chunks.seconds),
         W=tuple(c.W for c in chunks.seconds),
         comm=comm_s,
         mem_input=min(keep, 1.0),
+        stash_bytes=tuple(float(b) for b in chunks.stash_bytes),
+        topology=topology,
     )
 
 
@@ -214,7 +238,7 @@ def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
             except PipecError as e:
                 out.skipped += [Skipped(name, s, mbs, str(e)) for s in strategies]
                 continue
-            costs = cost_model(chunks, req.comm_s)
+            costs = cost_model(chunks, layout, req.comm_s, req.machine)
             budget = Budget(bytes_per_device, stash_budget(layout, chunks, bytes_per_device))
             for strategy in strategies:
                 job = STRATEGIES[strategy][1](CompileRequest(name, p, m, v), budget)
@@ -240,7 +264,9 @@ def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
                     job,
                     result.sim.makespan,
                     result.sim.bubble,
-                    rank_memory(result.compiled, costs, chunks),
+                    rank_memory(result.compiled.layout, result.sim, chunks),
+                    costs,
+                    chunks,
                 )
                 (out.fits if ev.peak_bytes <= bytes_per_device else out.over).append(ev)
     out.fits.sort(key=lambda e: (e.iteration_s, e.peak_bytes))
