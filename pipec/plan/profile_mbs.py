@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -158,6 +158,7 @@ def _measure(ms: ModelSpec, blocks: list, mbs: int, runs: int) -> MbsPoint:  # t
         profile_stages(blocks, boundaries, loss, runs=1, warmup=0, progress=False)
         for _ in range(runs + 1)
     ][1:]
+    fused = [_fused_backward(blocks, boundaries, loss) for _ in range(runs + 1)][1:]
     return MbsPoint(
         mbs=mbs,
         seconds=tuple(
@@ -166,7 +167,28 @@ def _measure(ms: ModelSpec, blocks: list, mbs: int, runs: int) -> MbsPoint:  # t
         ),
         stash_bytes=stash,
         input_bytes=tuple(sum(t.untyped_storage().nbytes() for t in x) for x in boundaries),
+        fused_backward=tuple(min(r[k] for r in fused) for k in range(len(blocks))),
     )
+
+
+def _fused_backward(
+    blocks: list, boundaries: list[tuple[Tensor, ...]], loss: Callable[[Tensor], Tensor]
+) -> list[float]:  # type: ignore[type-arg]
+    """One round of every block's fused backward: B and W in one autograd pass, what the
+    runtime runs for BW (weight gradients applied at once, outside the split's queue). It
+    costs less than the split B plus W, which pay the deferral."""
+    out = []
+    last = len(blocks) - 1
+    for k, (block, inputs) in enumerate(zip(blocks, boundaries)):
+        leaves = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in inputs)
+        y = block(*leaves)
+        y = loss(y) if k == last else y
+        t0 = _now(leaves[0].device)
+        torch.autograd.backward(y, None if k == last else torch.ones_like(y))
+        out.append(_now(leaves[0].device) - t0)
+        for p in block.parameters():
+            p.grad = None
+    return out
 
 
 def _activation_bytes(point: MbsPoint) -> int:
