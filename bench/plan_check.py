@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -86,6 +87,9 @@ def measure_comm(tmp: Path, nbytes: int) -> float:
 
 
 def run_worker(p: int, *args: str) -> None:
+    """One torchrun launch of the worker; prints the machine's load average around it (the
+    figures mean little when other processes hold the cores)."""
+    before = os.getloadavg()[0]
     cmd, env = torchrun(WORKER, p, *args)
     env = env | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -99,6 +103,9 @@ def run_worker(p: int, *args: str) -> None:
     )
     if proc.returncode:
         raise SystemExit(f"plan_check: the torchrun launch failed:\n{proc.stderr[-3000:]}")
+    print(
+        f"  (load average {before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores)"
+    )
 
 
 def read_measured(out: Path, round_: int) -> tuple[float, list[int]]:
