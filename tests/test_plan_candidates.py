@@ -144,8 +144,8 @@ def test_json_lists_every_candidate_with_its_figures():
 
 
 def test_the_evict_row_hands_the_pass_the_budget_in_stash_units(monkeypatch):
-    # Whatever the eviction pass will be, its row asks compile_schedule for evict=True under
-    # the stash units the byte budget leaves: (80 000 - 32 000) / (2000 · mbs) on every rank.
+    # The evict row asks compile_schedule for the BPipe pass (evict=True) under the stash
+    # units the byte budget leaves: (80 000 - 32 000) / (2000 · mbs) on every rank.
     calls = []
     real = candidates.compile_schedule
 
