@@ -40,15 +40,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     print(f"schedule {args.schedule}, median of {args.repeat} runs")
-    print(
-        f"{'p':>4} {'m':>6} {'ops':>8} {'compile s':>10} {'emit s':>8} {'total s':>8} {'µs/op':>7}"
-    )
+    print(f"{'p':>4} {'m':>6} {'ops':>8} {'compile s':>10} {'emit s':>8} {'total s':>8} {'µs/op':>7}")
     for p, m in SHAPES:
         c, e = measure(args.schedule, p, m, args.repeat)
         ops = 2 * p * m  # compute ops of a fused-backward schedule
-        print(
-            f"{p:>4} {m:>6} {ops:>8} {c:>10.3f} {e:>8.3f} {c + e:>8.3f} {1e6 * (c + e) / ops:>7.1f}"
-        )
+        print(f"{p:>4} {m:>6} {ops:>8} {c:>10.3f} {e:>8.3f} {c + e:>8.3f} {1e6 * (c + e) / ops:>7.1f}")
 
 
 if __name__ == "__main__":
