@@ -56,7 +56,9 @@ def measured(tmp_path_factory):
         listing.append({"name": name, "build": str(tmp / name), "kind": "grads"})
     (tmp / "cases.json").write_text(json.dumps(listing))
     (tmp / "results").mkdir()
-    cmd, env = torchrun(ROOT / "tests/runtime_harness.py", P, str(tmp / "cases.json"), str(tmp / "results"))
+    cmd, env = torchrun(
+        ROOT / "tests/runtime_harness.py", P, str(tmp / "cases.json"), str(tmp / "results")
+    )
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp / "results" / f"{r}.json").read_text()) for r in range(P)]
