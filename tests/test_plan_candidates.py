@@ -157,3 +157,15 @@ def test_the_evict_row_hands_the_pass_the_budget_in_stash_units(monkeypatch):
     plan(flat, "evict")
     evicting = [(mbs, limit) for mbs, limit, evict in calls if evict]
     assert evicting == [(mbs, 48_000 / (2000 * mbs)) for mbs in (1, 2, 4, 8, 16)]
+
+
+def test_an_iteration_ends_when_the_slowest_rank_has_stepped():
+    # Each block's AdamW step takes 1 ms; rank 0 holds two blocks and runs 1F1B's last
+    # backward, so its step ends the iteration 2 ms after the makespan.
+    profile = synthetic_profile(flat)
+    blocks = tuple(replace(b, optimizer_s=1e-3) for b in profile.blocks)
+    stepped = replace(profile, blocks=blocks)
+    req = PlanRequest(P, BATCH, BUDGET, schedules=("1f1b",), strategies=("plain",))
+    before = {e.mbs: e.iteration_s for e in plan_profile(profile, req).evaluation.fits}
+    after = {e.mbs: e.iteration_s for e in plan_profile(stepped, req).evaluation.fits}
+    assert after == {mbs: pytest.approx(t + 2e-3) for mbs, t in before.items()}

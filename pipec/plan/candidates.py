@@ -15,6 +15,7 @@ from typing import Any
 
 from passes.costs import CostModel
 from passes.registry import SCHEDULES, Request, build_schedule, family
+from passes.simulate import SimResult
 from passes.topology import Link, Topology
 from pipec.compile import CompileResult, compile_schedule
 from pipec.ir import Layout, Op, PipecError
@@ -218,6 +219,20 @@ def stash_budget(layout: Layout, chunks: Chunks, bytes_per_device: int) -> float
     return max(0.0, min(limits))
 
 
+def iteration_time(sim: SimResult, layout: Layout, chunks: Chunks) -> float:
+    """The makespan, or later where a rank's optimizer step (measured per chunk; the runtime
+    runs it after the rank's last op) ends after it: an iteration ends when the slowest rank
+    has stepped."""
+    if not chunks.optimizer_s:
+        return sim.makespan
+    steps = [
+        (slots[-1].end if slots else 0.0)
+        + sum(chunks.optimizer_s[c] for c in held_chunks(layout, r))
+        for r, slots in enumerate(sim.timeline)
+    ]
+    return max(sim.makespan, *steps)
+
+
 def _first_that_compiles(
     jobs: Sequence[CompileRequest], costs: CostModel
 ) -> tuple[CompileRequest, CompileResult]:
@@ -275,7 +290,7 @@ def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
                     strategy,
                     mbs,
                     job,
-                    result.sim.makespan,
+                    iteration_time(result.sim, result.compiled.layout, chunks),
                     result.sim.bubble,
                     rank_memory(result.compiled.layout, result.sim, chunks),
                     costs,

@@ -29,11 +29,13 @@ class FBW:
 
 @dataclass(frozen=True)
 class BlockFacts:
-    """One block: its parameters and its FLOPs per sample (the frontend's estimate)."""
+    """One block: its parameters, its FLOPs per sample (the frontend's estimate) and the
+    seconds of one AdamW step over its parameters (0: not measured)."""
 
     params: int
     param_bytes: int
     flops: FBW
+    optimizer_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ class Chunks:
     param_bytes: tuple[int, ...]
     fused_backward: tuple[float, ...] = ()
     """Seconds of each chunk's backward in one pass (BW); empty: B + W."""
+    optimizer_s: tuple[float, ...] = ()
+    """Seconds of each chunk's AdamW step; empty: not measured."""
 
     def fused(self) -> Chunks:
         """These chunks as a schedule without separate W prices them: it only ever runs BW,
@@ -150,4 +154,5 @@ class ModelProfile:
             params=total([b.params for b in self.blocks]),
             param_bytes=total([b.param_bytes for b in self.blocks]),
             fused_backward=total(pt.fused_backward) if pt.fused_backward else (),
+            optimizer_s=total([b.optimizer_s for b in self.blocks]),
         )

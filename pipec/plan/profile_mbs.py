@@ -90,8 +90,13 @@ def profile_model(
         raise PipecError(f"{spec} builds its model on the meta device; plan needs a runnable one")
     example = ms.example_inputs[0].shape[0]
     block_facts = tuple(
-        BlockFacts(s.params, s.param_bytes, FBW(*(getattr(s.flops, k) / example for k in "FBW")))
-        for s in facts.stages
+        BlockFacts(
+            s.params,
+            s.param_bytes,
+            FBW(*(getattr(s.flops, k) / example for k in "FBW")),
+            _optimizer_step(block, runs),
+        )
+        for s, block in zip(facts.stages, blocks)
     )
     if peak_flops is None:
         dtype = next(p.dtype for p in ms.model.parameters() if p.is_floating_point())
@@ -189,6 +194,24 @@ def _fused_backward(
         for p in block.parameters():
             p.grad = None
     return out
+
+
+def _optimizer_step(block: torch.nn.Module, runs: int) -> float:
+    """Seconds of the runtime's AdamW step over the block's parameters (fastest of `runs`
+    after a warm-up), on copies: the block itself is left as it was."""
+    params = [p.detach().clone().requires_grad_(True) for p in block.parameters()]
+    if not params:
+        return 0.0
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    best = float("inf")
+    for run in range(runs + 1):
+        t0 = _now(params[0].device)
+        opt.step()
+        if run:
+            best = min(best, _now(params[0].device) - t0)
+    return best
 
 
 def _activation_bytes(point: MbsPoint) -> int:
