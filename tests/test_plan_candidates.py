@@ -75,13 +75,18 @@ def test_rising_mfu_prefers_the_strategy_that_unlocks_a_larger_micro_batch(strat
 
 def test_a_budget_that_fits_nothing_names_the_smallest_that_fits_one():
     smallest = STATIC + RECOMPUTE_1F1B  # 1F1B-R at mbs 1
+    # Every family; eviction's own "fits nothing" figure is the next test (it costs a search
+    # for the smallest feasible limit per family and size, which this one need not pay).
+    strategies = ("plain", "recompute")
     with pytest.raises(PipecError) as e:
-        plan_profile(synthetic_profile(flat), PlanRequest(P, BATCH, 10_000))
+        plan_profile(synthetic_profile(flat), PlanRequest(P, BATCH, 10_000, strategies=strategies))
     expected = f"is 33.4 KiB ({smallest} bytes: 1f1b-r recompute at mbs 1)"
     assert str(e.value).startswith("--memory-per-device 9.77 KiB fits no candidate")
     assert str(e.value).endswith(f"; the smallest that fits one {expected}")
     assert "\n" not in str(e.value)
-    fits = plan_profile(synthetic_profile(flat), PlanRequest(P, BATCH, smallest))
+    fits = plan_profile(
+        synthetic_profile(flat), PlanRequest(P, BATCH, smallest, strategies=strategies)
+    )
     assert [(e.schedule, e.mbs) for e in fits.evaluation.fits] == [("1f1b-r", 1)]
     assert fits.baseline is None and "fits at no micro-batch size" in render_text(fits)
 
