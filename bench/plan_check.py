@@ -1,6 +1,6 @@
 """Check `pipec plan`'s predictions against real runs of the tiny GPT under torchrun.
 
-    PYTHONPATH=. python bench/plan_check.py [--pp 2,4] [--rounds 5] [--steps 4] [--dry-run]
+    PYTHONPATH=. python bench/plan_check.py [--pp 2,4] [--rounds 5] [--steps 6] [--dry-run]
 
 For each P: plan the tiny GPT (profiled with one thread, as torchrun gives each rank), take
 the top three candidates and the 1F1B baseline, build each for the real model with the plan's
@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--budget", type=parse_bytes, default=parse_bytes("8MiB"))
     ap.add_argument("--rounds", type=int, default=5, help="turns of each candidate")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--time-budget", type=float, default=30.0)
     ap.add_argument(
         "--comm", type=float, default=None, help="seconds per message (default: measured)"
