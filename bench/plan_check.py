@@ -1,21 +1,19 @@
 """Check `pipec plan`'s predictions against real runs of the tiny GPT under torchrun.
 
-    PYTHONPATH=. python bench/plan_check.py [--pp 2,4] [--repeats 5] [--steps 4] [--dry-run]
+    PYTHONPATH=. python bench/plan_check.py [--pp 2,4] [--rounds 5] [--steps 6] [--dry-run]
 
 For each P: plan the tiny GPT (profiled with one thread, as torchrun gives each rank), take
-the top three candidates and the 1F1B baseline, compile each for the real model at its
-micro-batch size, and run them under torchrun `--repeats` times, interleaved (A B C D A B …)
-so that load from other processes hits every candidate alike. It checks, as issue 9 asks:
+the top three candidates and the 1F1B baseline, build each for the real model with the plan's
+own costs (`pipec.plan.build.compile_candidate`: the programs the plan simulated), and train
+them in ONE torchrun launch, taking turns round after round (A B C D A B C D …,
+bench/plan_check_worker.py) so that load from other processes hits every candidate alike.
+The runtime measures each turn itself (OUT/measured/stats.json, runtime/measure.py). It
+checks, as issue 9 asks:
 
-- the measured iteration times (median over repeats) come in the predicted order;
-- each predicted time is within 25% of the measured median (the spread is printed);
+- the measured iteration times (median over rounds of each turn's median) come in the
+  predicted order;
+- each predicted time is within 25% of the measured median (the spread over rounds printed);
 - each rank's predicted peak stash bytes are within 10% of the runtime's measured peak.
-
-Needs the runtime (issue 7): `pipec.model.compile_model` to compile with a model and
-`OUT/launch.py` to train. Without it, the script says so and exits 2; `--dry-run` plans and
-prints what it would run. `read_measured` is the one place that knows the runtime's measured
-files: it expects `OUT/measured/rank_XXX.json` with `iteration_s` (one per step) and
-`peak_stash_bytes`; adapt it there if the runtime writes them differently.
 
 Micro-batch size: the runtime takes its micro-batch from the factory, so each size gets a
 generated factory, `examples/gpt.py`'s tiny config with `micro_batch` set.
@@ -38,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from pipec.ir import PipecError
 from pipec.plan.candidates import Evaluated, PlanRequest
 from pipec.plan.driver import plan_model
+from runtime.torchrun import torchrun
 
 GPT = "examples/gpt.py:tiny"
 TIME_TOLERANCE = 0.25
@@ -68,56 +67,61 @@ def factory(tmp: Path, mbs: int) -> str:
 
 
 def compile_candidate(ev: Evaluated, spec: str, out: Path) -> None:
-    """Compile `ev` for the real model into `out` with the runtime's model-aware driver."""
-    from pipec.model import compile_model  # the runtime issue's driver
-
+    """Emit the programs the plan simulated for `ev`, with its costs (pipec.plan.build)."""
     from pipec.build_dir import emit
+    from pipec.plan.build import compile_candidate as build
 
-    req = ev.request
-    result = compile_model(
-        spec,
-        req.schedule,
-        req.p,
-        req.m,
-        req.v,
-        memory_limit=req.memory_limit,
-        **dict(req.options),
+    emit(build(ev, spec), out, force=True)
+
+
+WORKER = ROOT / "bench" / "plan_check_worker.py"
+MESSAGE_BYTES = 4 * 32 * 64 * 4
+"""A tiny-GPT stage boundary at micro-batch size 4: (4, 32, 64) fp32."""
+
+
+def measure_comm(tmp: Path, nbytes: int) -> float:
+    """Seconds one pipeline message of `nbytes` takes between two gloo ranks here."""
+    out = tmp / "ping.json"
+    run_worker(2, "ping", str(nbytes), str(out))
+    return json.loads(out.read_text())["median_s"]
+
+
+def run_worker(p: int, *args: str) -> None:
+    """One torchrun launch of the worker; prints the machine's load average around it (the
+    figures mean little when other processes hold the cores)."""
+    before = os.getloadavg()[0]
+    cmd, env = torchrun(WORKER, p, *args)
+    env = env | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
     )
-    emit(result, out, force=True)
+    if proc.returncode:
+        raise SystemExit(f"plan_check: the torchrun launch failed:\n{proc.stderr[-3000:]}")
+    print(
+        f"  (load average {before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores)"
+    )
 
 
-def launch(out: Path, p: int, steps: int) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={p}",
-        str(out / "launch.py"),
-        "--steps",
-        str(steps),
-    ]
-    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True, timeout=600)
+def read_measured(out: Path, round_: int) -> tuple[float, list[int]]:
+    """(iteration seconds, per-rank peak stash bytes) of one turn of the build in `out`.
 
-
-def read_measured(out: Path) -> tuple[float, list[int]]:
-    """(iteration seconds, per-rank peak stash bytes) of the last run in `out`.
-
-    An iteration ends when its slowest rank does, so a step's time is the maximum over ranks;
-    the first step (allocations, first calls) is dropped and the median of the rest kept.
+    The runtime's stats (runtime/measure.py): per kept step (the turn's first, a warm-up, left
+    out) the iteration time in ms, the slowest rank's wall time from a common barrier; per
+    rank the peak stash bytes its saved-tensor hooks saw, over all steps so far.
     """
-    files = sorted((out / "measured").glob("rank_*.json"))
-    if not files:
-        raise SystemExit(f"plan_check: no {out}/measured/rank_*.json; adapt read_measured")
-    ranks = [json.loads(f.read_text()) for f in files]
-    steps = list(zip(*(r["iteration_s"] for r in ranks)))
-    per_step = [max(step) for step in steps[1:] or steps]
-    return statistics.median(per_step), [int(r["peak_stash_bytes"]) for r in ranks]
+    stats = json.loads((out / "measured" / f"stats_round{round_}.json").read_text())
+    per_step = [s["iteration_ms"] / 1e3 for s in stats["per_step"]]
+    return statistics.median(per_step), [int(r["peak_stash_bytes"]) for r in stats["ranks"]]
 
 
 def check_p(p: int, args: argparse.Namespace, tmp: Path) -> bool:
-    req = PlanRequest(p, args.global_batch, args.budget)
+    req = PlanRequest(p, args.global_batch, args.budget, comm_s=args.comm)
     plan = plan_model(GPT, req, time_budget=args.time_budget, progress=False)
     chosen = picks(plan)
     print(f"\np={p}: {len(plan.evaluation.fits)} candidates fit; checking {len(chosen)}")
@@ -133,14 +137,13 @@ def check_p(p: int, args: argparse.Namespace, tmp: Path) -> bool:
         builds.append(out)
     if args.dry_run:
         return False
+    run_worker(p, str(args.rounds), str(args.steps), *map(str, builds))
     times: list[list[float]] = [[] for _ in chosen]
     stash: list[list[int]] = [[] for _ in chosen]
-    for _ in range(args.repeats):
-        for k, out in enumerate(builds):  # interleaved: A B C D A B C D …
-            launch(out, p, args.steps)
-            t, s = read_measured(out)
+    for k, out in enumerate(builds):
+        for r in range(args.rounds):
+            t, stash[k] = read_measured(out, r)
             times[k].append(t)
-            stash[k] = s
     return report(chosen, times, stash)
 
 
@@ -177,30 +180,28 @@ def main() -> None:
     ap.add_argument("--pp", default="2,4", help="pipeline sizes to check")
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--budget", type=parse_bytes, default=parse_bytes("8MiB"))
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=5, help="turns of each candidate")
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--time-budget", type=float, default=30.0)
+    ap.add_argument(
+        "--comm", type=float, default=None, help="seconds per message (default: measured)"
+    )
+    ap.add_argument("--keep", type=Path, default=None, help="build under this folder and keep it")
     ap.add_argument("--dry-run", action="store_true", help="plan and list; run nothing")
     args = ap.parse_args()
-    if not args.dry_run:
-        try:
-            import pipec.model  # noqa: F401
-            import runtime.main  # noqa: F401
-        except ImportError as e:
-            print(
-                f"plan_check: needs pipec's runtime (issue 7), not in this checkout ({e}); "
-                "--dry-run plans without it",
-                file=sys.stderr,
-            )
-            sys.exit(2)
     import torch
 
     torch.set_num_threads(1)  # torchrun gives each rank one thread (OMP_NUM_THREADS=1)
     ok = True
     with tempfile.TemporaryDirectory(prefix="plan_check_") as tmp:
+        where = args.keep or Path(tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        if args.comm is None:
+            args.comm = 0.0 if args.dry_run else measure_comm(where, MESSAGE_BYTES)
+        print(f"plan_check: comm {args.comm * 1e6:.0f} us per message (gloo, {MESSAGE_BYTES} B)")
         for p in (int(x) for x in args.pp.split(",")):
             try:
-                ok &= check_p(p, args, Path(tmp))
+                ok &= check_p(p, args, where)
             except PipecError as e:
                 print(f"plan_check: {e}", file=sys.stderr)
                 sys.exit(2)

@@ -298,6 +298,9 @@ def _csv(text: str, what: str, kind: type = str) -> list:
 @click.option("--time-budget", type=float, default=60.0, show_default=True, help="Profiling seconds.")
 @click.option("--runs", type=int, default=3, show_default=True, help="Timed runs per op (median).")
 @click.option("--comm", type=float, default=0.0, show_default=True, help="Seconds per cross-rank transfer.")
+@click.option("--nodes", type=int, default=None, help="Nodes the pipeline spans (one rank per GPU).")
+@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: --pp / --nodes).")
+@click.option("--link", default="", help="Links as BYTES_PER_S:SECONDS, e.g. intra=450e9:5e-6,inter=50e9:1e-5.")
 @click.option("--threads", type=int, default=None, help="CPU threads while profiling (one rank's share).")
 @click.option("--top", type=int, default=10, show_default=True, help="Rows printed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
@@ -306,14 +309,15 @@ def plan_cmd(model: str, memory_per_device: str, peak_tflops: float | None, sche
              **opts) -> None:
     """Profile MODEL at several micro-batch sizes; rank schedule × mbs × memory strategy."""
     from pipec.plan.candidates import PlanRequest
-    from pipec.plan.driver import plan_model
+    from pipec.plan.driver import machine, plan_model
     from pipec.plan.memory import parse_bytes
     from pipec.plan.report import render_json, render_text
 
+    topology = machine(opts["pp"], opts["nodes"], opts["gpus_per_node"], opts["link"], opts["comm"])
     req = PlanRequest(
         opts["pp"], opts["global_batch"], parse_bytes(memory_per_device), opts["dp"],
         tuple(_csv(schedules, "--schedules")), tuple(_csv(strategies, "--strategies")),
-        opts["comm"],
+        opts["comm"], topology,
     )
     if threads is not None:
         import torch

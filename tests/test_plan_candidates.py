@@ -7,7 +7,7 @@ from plan_synthetic import INPUT_PER_SAMPLE, PARAMS, STASH_PER_SAMPLE, synthetic
 
 from pipec.ir import PipecError
 from pipec.plan import candidates
-from pipec.plan.candidates import STRATEGIES, PlanRequest, eviction_available
+from pipec.plan.candidates import STRATEGIES, PlanRequest
 from pipec.plan.driver import check, plan_profile
 from pipec.plan.report import render_json, render_text, rows
 
@@ -21,7 +21,7 @@ PLAIN_1F1B = 4 * CHUNK_STASH
 RECOMPUTE_1F1B = 3 * INPUT_PER_SAMPLE + CHUNK_STASH
 BUDGET = 80_000  # plain 1F1B fits mbs <= 4 (64 000 B at 4), 1F1B-R mbs <= 16 (70 000 B at 16)
 
-MEMORY_SAVING = ["recompute"] + (["evict"] if eviction_available() else [])
+MEMORY_SAVING = ["recompute", "evict"]
 
 
 def flat(n: int) -> float:
@@ -75,15 +75,35 @@ def test_rising_mfu_prefers_the_strategy_that_unlocks_a_larger_micro_batch(strat
 
 def test_a_budget_that_fits_nothing_names_the_smallest_that_fits_one():
     smallest = STATIC + RECOMPUTE_1F1B  # 1F1B-R at mbs 1
+    # Every family; eviction's own "fits nothing" figure is the next test (it costs a search
+    # for the smallest feasible limit per family and size, which this one need not pay).
+    strategies = ("plain", "recompute")
     with pytest.raises(PipecError) as e:
-        plan_profile(synthetic_profile(flat), PlanRequest(P, BATCH, 10_000))
+        plan_profile(synthetic_profile(flat), PlanRequest(P, BATCH, 10_000, strategies=strategies))
     expected = f"is 33.4 KiB ({smallest} bytes: 1f1b-r recompute at mbs 1)"
     assert str(e.value).startswith("--memory-per-device 9.77 KiB fits no candidate")
     assert str(e.value).endswith(f"; the smallest that fits one {expected}")
     assert "\n" not in str(e.value)
-    fits = plan_profile(synthetic_profile(flat), PlanRequest(P, BATCH, smallest))
+    fits = plan_profile(
+        synthetic_profile(flat), PlanRequest(P, BATCH, smallest, strategies=strategies)
+    )
     assert [(e.schedule, e.mbs) for e in fits.evaluation.fits] == [("1f1b-r", 1)]
     assert fits.baseline is None and "fits at no micro-batch size" in render_text(fits)
+
+
+def test_when_nothing_fits_eviction_names_the_memory_it_needs():
+    # 1F1B at mbs 1: rank 0 stashes 4 · 2000 B. Far below, eviction's smallest feasible limit
+    # is the candidate, over the budget; a budget of exactly its peak then fits it.
+    req = PlanRequest(P, BATCH, 10_000, schedules=("1f1b",), strategies=("plain", "evict"))
+    with pytest.raises(PipecError, match=r"fits no candidate; the smallest that fits one is") as e:
+        plan_profile(synthetic_profile(flat), req)
+    smallest = int(str(e.value).split("(")[1].split(" bytes")[0])
+    assert str(e.value).endswith("bytes: 1f1b evict at mbs 1)")
+    assert smallest < STATIC + PLAIN_1F1B  # eviction needs less than plain 1F1B
+    fits = plan_profile(synthetic_profile(flat), replace(req, bytes_per_device=smallest))
+    assert [(e.strategy, e.mbs, e.peak_bytes) for e in fits.evaluation.fits] == [
+        ("evict", 1, smallest)
+    ]
 
 
 def test_a_strategy_is_one_row_of_the_table(monkeypatch):
@@ -91,7 +111,7 @@ def test_a_strategy_is_one_row_of_the_table(monkeypatch):
     # units on rank 0; the budget leaves (80 000 - 32 000) / (2000 · mbs) units, 6 at mbs 4 and
     # 3 at mbs 8, so it compiles at mbs <= 4 and is refused above.
     def capped(req, budget):
-        return replace(req, memory_limit=budget.stash_limit)
+        return (replace(req, memory_limit=budget.stash_limit),)
 
     monkeypatch.setitem(STRATEGIES, "capped", ("verify the budget", capped))
     result = plan(flat, "capped")
@@ -100,13 +120,6 @@ def test_a_strategy_is_one_row_of_the_table(monkeypatch):
     assert refused == {1, 2, 4, 8, 16}
     reasons = {s.mbs: s.reason for s in result.evaluation.skipped if s.strategy == "capped"}
     assert reasons[4] == "same as 1f1b plain" and "limit" in reasons[8]
-
-
-def test_evict_is_offered_exactly_when_the_compile_driver_has_it():
-    assert ("evict" in STRATEGIES) == eviction_available()
-    if not eviction_available():
-        with pytest.raises(PipecError, match="evict needs the BPipe eviction pass"):
-            candidates.strategy_names(["evict"])
 
 
 def test_batch_arithmetic():
@@ -136,8 +149,8 @@ def test_json_lists_every_candidate_with_its_figures():
 
 
 def test_the_evict_row_hands_the_pass_the_budget_in_stash_units(monkeypatch):
-    # Whatever the eviction pass will be, its row asks compile_schedule for evict=True under
-    # the stash units the byte budget leaves: (80 000 - 32 000) / (2000 · mbs) on every rank.
+    # The evict row asks compile_schedule for the BPipe pass (evict=True) under the stash
+    # units the byte budget leaves: (80 000 - 32 000) / (2000 · mbs) on every rank.
     calls = []
     real = candidates.compile_schedule
 
@@ -146,7 +159,18 @@ def test_the_evict_row_hands_the_pass_the_budget_in_stash_units(monkeypatch):
         return real(schedule, p, m, v, costs)
 
     monkeypatch.setattr(candidates, "compile_schedule", compile_with_evict)
-    monkeypatch.setitem(STRATEGIES, "evict", ("BPipe", candidates._evict))
     plan(flat, "evict")
     evicting = [(mbs, limit) for mbs, limit, evict in calls if evict]
     assert evicting == [(mbs, 48_000 / (2000 * mbs)) for mbs in (1, 2, 4, 8, 16)]
+
+
+def test_an_iteration_ends_when_the_slowest_rank_has_stepped():
+    # Each block's AdamW step takes 1 ms; rank 0 holds two blocks and runs 1F1B's last
+    # backward, so its step ends the iteration 2 ms after the makespan.
+    profile = synthetic_profile(flat)
+    blocks = tuple(replace(b, optimizer_s=1e-3) for b in profile.blocks)
+    stepped = replace(profile, blocks=blocks)
+    req = PlanRequest(P, BATCH, BUDGET, schedules=("1f1b",), strategies=("plain",))
+    before = {e.mbs: e.iteration_s for e in plan_profile(profile, req).evaluation.fits}
+    after = {e.mbs: e.iteration_s for e in plan_profile(stepped, req).evaluation.fits}
+    assert after == {mbs: pytest.approx(t + 2e-3) for mbs, t in before.items()}

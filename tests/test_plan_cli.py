@@ -76,6 +76,20 @@ def test_plan_names_the_smallest_budget_when_nothing_fits(capsys):
     )
 
 
+def test_plan_prices_transfers_on_the_machine_given(capsys):
+    link = "intra=100e9:5e-6,inter=1e9:1e-4"
+    code = cli_run(
+        "plan", GPT, "--pp", "2", "--global-batch", "4", "--memory-per-device", "1GiB",
+        "--mbs", "1,2", "--runs", "1", "--peak-tflops", "0.1", "--threads", "1",
+        "--nodes", "2", "--gpus-per-node", "1", "--link", link, "--json",
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    machine = json.loads(captured.out)["machine"]
+    assert (machine["nodes"], machine["gpus_per_node"]) == (2, 1)
+    assert machine["inter"] == {"bandwidth": 1e9, "latency": 1e-4}
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -83,6 +97,8 @@ def test_plan_names_the_smallest_budget_when_nothing_fits(capsys):
         (["--global-batch", "8", "--memory-per-device", "lots"], "--memory-per-device 'lots'"),
         (["--global-batch", "8", "--mbs", "3"], "--mbs 3 does not divide"),
         (["--global-batch", "8", "--strategies", "teleport"], "unknown strategy 'teleport'"),
+        (["--global-batch", "8", "--nodes", "2"], "--nodes/--gpus-per-node price transfers"),
+        (["-B", "8", "--nodes", "3", "--link", "intra=1e9:0"], "--nodes 3 x --gpus-per-node 0"),
     ],
 )
 def test_bad_input_is_one_line_before_any_profiling(args, message, capsys):

@@ -2,6 +2,7 @@
 
 import pytest
 
+from passes.registry import Request, build_schedule, family
 from pipec.compile import compile_schedule
 from pipec.ir import PipecError
 from pipec.plan.candidates import cost_model
@@ -23,8 +24,9 @@ def chunks(stash, params=(1000,), param_bytes=None, inputs=None) -> Chunks:
 
 
 def memory(schedule, p, m, ch):
-    costs = cost_model(ch, 0.0)
-    return rank_memory(compile_schedule(schedule, p, m, None, costs).compiled, costs, ch)
+    layout = build_schedule(schedule, Request(p, m, family(schedule).default_v)).layout
+    result = compile_schedule(schedule, p, m, None, cost_model(ch, layout))
+    return rank_memory(result.compiled.layout, result.sim, ch)
 
 
 @pytest.mark.parametrize(

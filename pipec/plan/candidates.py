@@ -1,22 +1,24 @@
 """Enumerate candidates (schedule × micro-batch size × memory strategy), price and simulate them.
 
 A memory strategy is a row of `STRATEGIES`: a function that turns the compile request of a
-schedule family into the request that saves memory its way, or None where it does not apply.
+schedule family into the requests that save memory its way, tried in order until one compiles
+(none where it does not apply).
 Adding one (the eviction pass, an offload) is one function and one row; nothing else branches
 on its name.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from passes.costs import CostModel
 from passes.registry import SCHEDULES, Request, build_schedule, family
-from pipec.compile import compile_schedule
-from pipec.ir import Layout, PipecError
+from passes.simulate import SimResult
+from passes.topology import Link, Topology
+from pipec.compile import CompileResult, compile_schedule
+from pipec.ir import Layout, Op, PipecError
 from pipec.plan.facts import Chunks, ModelProfile
 from pipec.plan.memory import RankMemory, held_chunks, rank_memory, static_memory
 
@@ -59,6 +61,9 @@ class PlanRequest:
     schedules: tuple[str, ...] = ()
     strategies: tuple[str, ...] = ()
     comm_s: float = 0.0
+    machine: Topology | None = None
+    """Nodes and links, bandwidths in bytes per second and latencies in seconds (None: every
+    transfer takes `comm_s`)."""
 
 
 @dataclass(frozen=True)
@@ -70,34 +75,31 @@ class Budget:
     stash_limit: float
 
 
-Transform = Callable[[CompileRequest, Budget], CompileRequest | None]
+Transform = Callable[[CompileRequest, Budget], tuple[CompileRequest, ...]]
 
 
-def _plain(req: CompileRequest, budget: Budget) -> CompileRequest | None:
-    return req
+def _plain(req: CompileRequest, budget: Budget) -> tuple[CompileRequest, ...]:
+    return (req,)
 
 
-def _recompute(req: CompileRequest, budget: Budget) -> CompileRequest | None:
+def _recompute(req: CompileRequest, budget: Budget) -> tuple[CompileRequest, ...]:
     variant = req.schedule + RECOMPUTE_SUFFIX
-    return replace(req, schedule=variant) if variant in SCHEDULES else None
+    return (replace(req, schedule=variant),) if variant in SCHEDULES else ()
 
 
-def _evict(req: CompileRequest, budget: Budget) -> CompileRequest | None:
-    # BPipe: evict only what the limit requires; the pass refuses an infeasible limit.
-    return replace(req, memory_limit=budget.stash_limit, options=(("evict", True),))
-
-
-def eviction_available() -> bool:
-    """Whether the compile driver has the eviction pass (it takes `evict=`)."""
-    return "evict" in inspect.signature(compile_schedule).parameters
+def _evict(req: CompileRequest, budget: Budget) -> tuple[CompileRequest, ...]:
+    # BPipe (passes/evict.py, as `pipec compile --evict`): evict only what the budget's limit
+    # requires. Where the pass refuses that limit, the smallest limit it can meet (no limit
+    # given) is the candidate: over the budget, it tells how much memory eviction needs.
+    evict = replace(req, options=(("evict", True),))
+    return replace(evict, memory_limit=budget.stash_limit), evict
 
 
 STRATEGIES: dict[str, tuple[str, Transform]] = {
     "plain": ("the schedule as it is", _plain),
     "recompute": ("full recomputation: stash stage inputs, re-run F before B", _recompute),
+    "evict": ("BPipe: evict stashes to a paired rank within the budget", _evict),
 }
-if eviction_available():
-    STRATEGIES["evict"] = ("BPipe: evict stashes to a paired rank within the budget", _evict)
 
 
 def schedule_names(requested: Sequence[str] | None) -> list[str]:
@@ -122,9 +124,8 @@ def strategy_names(requested: Sequence[str] | None) -> list[str]:
         return list(STRATEGIES)
     for name in requested:
         if name not in STRATEGIES:
-            hint = " (evict needs the BPipe eviction pass)" if name == "evict" else ""
             raise PipecError(
-                f"--strategies: unknown strategy '{name}'{hint}; available: {', '.join(STRATEGIES)}"
+                f"--strategies: unknown strategy '{name}'; available: {', '.join(STRATEGIES)}"
             )
     return list(requested)
 
@@ -141,6 +142,8 @@ class Evaluated:
     iteration_s: float
     bubble: float
     memory: tuple[RankMemory, ...]
+    costs: CostModel = field(repr=False, compare=False)
+    chunks: Chunks = field(repr=False, compare=False)
 
     @property
     def schedule(self) -> str:
@@ -173,16 +176,34 @@ class Evaluation:
     skipped: list[Skipped] = field(default_factory=list)
 
 
-def cost_model(chunks: Chunks, comm_s: float) -> CostModel:
-    """Per-chunk F/B/W in seconds; memory in stashes, recompute keeping the largest share of
-    its stash any chunk's input takes (conservative where chunks differ)."""
+def cost_model(
+    chunks: Chunks, layout: Layout, comm_s: float = 0.0, machine: Topology | None = None
+) -> CostModel:
+    """Per-chunk F/B/W in seconds and stash bytes; memory in stashes, recompute keeping the
+    largest share of its stash any chunk's input takes (conservative where chunks differ).
+
+    The simulator sizes a transfer in stash units (a rank's full share of the model); the
+    heaviest chunk prices the unit in bytes, so the machine's bytes-per-second links become
+    stash units per second and a message or an evicted stash crosses a link in about its
+    byte size over the link's bandwidth, plus the latency.
+    """
     keep = max(i / s for i, s in zip(chunks.input_bytes, chunks.stash_bytes))
+    topology = None
+    if machine is not None:
+        unit = max(chunks.stash_bytes) / layout.stash_share
+
+        def link(k: Link) -> Link:
+            return Link(k.bandwidth / unit, k.latency)
+
+        topology = replace(machine, intra=link(machine.intra), inter=link(machine.inter))
     return CostModel(
         F=tuple(c.F for c in chunks.seconds),
         B=tuple(c.B for c in chunks.seconds),
         W=tuple(c.W for c in chunks.seconds),
         comm=comm_s,
         mem_input=min(keep, 1.0),
+        stash_bytes=tuple(float(b) for b in chunks.stash_bytes),
+        topology=topology,
     )
 
 
@@ -198,6 +219,36 @@ def stash_budget(layout: Layout, chunks: Chunks, bytes_per_device: int) -> float
     return max(0.0, min(limits))
 
 
+def iteration_time(sim: SimResult, layout: Layout, chunks: Chunks) -> float:
+    """The makespan, or later where a rank's optimizer step (measured per chunk; the runtime
+    runs it after the rank's last op) ends after it: an iteration ends when the slowest rank
+    has stepped."""
+    if not chunks.optimizer_s:
+        return sim.makespan
+    steps = [
+        (slots[-1].end if slots else 0.0)
+        + sum(chunks.optimizer_s[c] for c in held_chunks(layout, r))
+        for r, slots in enumerate(sim.timeline)
+    ]
+    return max(sim.makespan, *steps)
+
+
+def _first_that_compiles(
+    jobs: Sequence[CompileRequest], costs: CostModel
+) -> tuple[CompileRequest, CompileResult]:
+    """The first of `jobs` that compiles, with its result; the first refusal if none does."""
+    first: PipecError | None = None
+    for job in jobs:
+        try:
+            return job, compile_schedule(
+                job.schedule, job.p, job.m, job.v, costs, job.memory_limit, **dict(job.options)
+            )
+        except PipecError as e:
+            first = first or e
+    assert first is not None
+    raise first
+
+
 def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
     """Compile and simulate every candidate at every profiled micro-batch size."""
     p, dp, bytes_per_device = req.p, req.dp, req.bytes_per_device
@@ -209,22 +260,23 @@ def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
         for name in schedules:
             v = family(name).default_v
             try:
-                layout = build_schedule(name, Request(p, m, v)).layout
+                sched = build_schedule(name, Request(p, m, v))
+                layout = sched.layout
                 chunks = profile.chunks(layout.n_chunks, mbs)
+                if not any(i.op is Op.W for order in sched.orders for i in order):
+                    chunks = chunks.fused()  # it runs BW: price the one-pass backward
             except PipecError as e:
                 out.skipped += [Skipped(name, s, mbs, str(e)) for s in strategies]
                 continue
-            costs = cost_model(chunks, req.comm_s)
+            costs = cost_model(chunks, layout, req.comm_s, req.machine)
             budget = Budget(bytes_per_device, stash_budget(layout, chunks, bytes_per_device))
             for strategy in strategies:
-                job = STRATEGIES[strategy][1](CompileRequest(name, p, m, v), budget)
-                if job is None:
+                jobs = STRATEGIES[strategy][1](CompileRequest(name, p, m, v), budget)
+                if not jobs:
                     out.skipped.append(Skipped(name, strategy, mbs, "does not apply"))
                     continue
                 try:
-                    result = compile_schedule(
-                        job.schedule, p, m, v, costs, job.memory_limit, **dict(job.options)
-                    )
+                    job, result = _first_that_compiles(jobs, costs)
                 except PipecError as e:
                     out.skipped.append(Skipped(name, strategy, mbs, str(e)))
                     continue
@@ -238,9 +290,11 @@ def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
                     strategy,
                     mbs,
                     job,
-                    result.sim.makespan,
+                    iteration_time(result.sim, result.compiled.layout, chunks),
                     result.sim.bubble,
-                    rank_memory(result.compiled, costs, chunks),
+                    rank_memory(result.compiled.layout, result.sim, chunks),
+                    costs,
+                    chunks,
                 )
                 (out.fits if ev.peak_bytes <= bytes_per_device else out.over).append(ev)
     out.fits.sort(key=lambda e: (e.iteration_s, e.peak_bytes))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from passes.topology import Topology, make_topology
 from pipec.ir import PipecError
 from pipec.plan.candidates import (
     BASELINE,
@@ -21,6 +22,24 @@ from pipec.plan.candidates import (
 )
 from pipec.plan.facts import ModelProfile
 from pipec.plan.memory import format_bytes
+
+LINK_EXAMPLE = "--link intra=450e9:5e-6,inter=50e9:1e-5"
+
+
+def machine(
+    p: int, nodes: int | None, gpus_per_node: int | None, links: str, comm_s: float = 0.0
+) -> Topology | None:
+    """The machine `--nodes/--gpus-per-node/--link` describe, as `pipec compile` reads them
+    (rank r on GPU r % G of node r // G) but in real units: link bandwidths in bytes per
+    second and latencies in seconds, since the plan prices transfers of measured bytes."""
+    if (nodes is not None or gpus_per_node is not None) and not links:
+        raise PipecError(
+            "--nodes/--gpus-per-node price transfers by the links they cross: give "
+            f"BYTES_PER_S:SECONDS for each, e.g. {LINK_EXAMPLE}"
+        )
+    if links and comm_s:
+        raise PipecError("--comm and --link both price transfers; give one of them")
+    return make_topology(p, nodes, gpus_per_node, links)
 
 
 @dataclass(frozen=True)

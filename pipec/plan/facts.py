@@ -8,7 +8,7 @@ summing its blocks. These values carry no torch: tests build them from synthetic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from pipec.ir import PipecError
@@ -29,25 +29,30 @@ class FBW:
 
 @dataclass(frozen=True)
 class BlockFacts:
-    """One block: its parameters and its FLOPs per sample (the frontend's estimate)."""
+    """One block: its parameters, its FLOPs per sample (the frontend's estimate) and the
+    seconds of one AdamW step over its parameters (0: not measured)."""
 
     params: int
     param_bytes: int
     flops: FBW
+    optimizer_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class MbsPoint:
     """Measurements at one micro-batch size, per block.
 
-    seconds: median F, B, W; stash_bytes: what autograd keeps from F to the backward;
-    input_bytes: the block's received inputs (what a recomputing stage keeps instead).
+    seconds: F, B, W (B/W split as the runtime splits them); stash_bytes: what autograd keeps
+    from F to the backward; input_bytes: the block's received inputs (what a recomputing stage
+    keeps instead); fused_backward: seconds of the backward in one pass, the runtime's BW
+    (empty: B + W, as for synthetic profiles).
     """
 
     mbs: int
     seconds: tuple[FBW, ...]
     stash_bytes: tuple[int, ...]
     input_bytes: tuple[int, ...]
+    fused_backward: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,19 @@ class Chunks:
     input_bytes: tuple[int, ...]
     params: tuple[int, ...]
     param_bytes: tuple[int, ...]
+    fused_backward: tuple[float, ...] = ()
+    """Seconds of each chunk's backward in one pass (BW); empty: B + W."""
+    optimizer_s: tuple[float, ...] = ()
+    """Seconds of each chunk's AdamW step; empty: not measured."""
+
+    def fused(self) -> Chunks:
+        """These chunks as a schedule without separate W prices them: it only ever runs BW,
+        which the cost model times as B + W, so B and W are scaled to sum to the fused time."""
+        if not self.fused_backward:
+            return self
+        scale = [bw / (c.B + c.W) for bw, c in zip(self.fused_backward, self.seconds)]
+        seconds = tuple(FBW(c.F, c.B * k, c.W * k) for c, k in zip(self.seconds, scale))
+        return replace(self, seconds=seconds)
 
 
 @dataclass(frozen=True)
@@ -135,4 +153,6 @@ class ModelProfile:
             input_bytes=tuple(pt.input_bytes[a] for a in starts),
             params=total([b.params for b in self.blocks]),
             param_bytes=total([b.param_bytes for b in self.blocks]),
+            fused_backward=total(pt.fused_backward) if pt.fused_backward else (),
+            optimizer_s=total([b.optimizer_s for b in self.blocks]),
         )

@@ -7,8 +7,8 @@ Counted, per rank, over every stage the rank holds (a replica held twice counts 
 - optimizer state: AdamW's two moments in fp32 (8 bytes per parameter), plus an fp32 master
   copy (4 bytes per parameter) when the parameters are stored in a lower precision — the
   mixed-precision recipe of Megatron-LM; no ZeRO sharding across data-parallel copies;
-- stashes: the simulated rank program replayed with each chunk's measured stash bytes at the
-  candidate's micro-batch size; its peak. Recompute keeps the chunk's measured input bytes
+- stashes: the simulator's peak of the rank program replayed with each chunk's measured stash
+  bytes at the candidate's micro-batch size (`CostModel.stash_bytes`). Recompute keeps the chunk's measured input bytes
   instead, and evicted stashes count on the acceptor that holds them (the simulator's memory
   rules, whatever ops the program has).
 
@@ -19,12 +19,10 @@ produced), communication buffers, the allocator's fragmentation and the framewor
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from passes.costs import CostModel
-from passes.simulate import activation_profile, uses_recompute
-from pipec.ir import Compiled, Layout, PipecError
+from passes.simulate import SimResult
+from pipec.ir import Layout, PipecError
 from pipec.plan.facts import Chunks
 
 ADAMW_MOMENT_BYTES = 2 * 4
@@ -100,20 +98,6 @@ def optimizer_bytes(params: int, param_bytes: int) -> int:
     return params * (ADAMW_MOMENT_BYTES + master)
 
 
-def stash_peaks(compiled: Compiled, costs: CostModel, stash_bytes: Sequence[int]) -> list[int]:
-    """Each rank's peak live stash bytes: its program replayed with per-chunk stash bytes.
-
-    The cost model's F adds `mem_F` stashes of the chunk, so one stash weighs
-    `stash_bytes[chunk] / mem_F` bytes; every other op's delta follows the simulator's rules.
-    """
-    recompute = uses_recompute(compiled.programs)
-    per_stash = [b / costs.mem_F for b in stash_bytes]
-    return [
-        round(max([0.0, *activation_profile(prog, compiled.layout, costs, recompute, per_stash)]))
-        for prog in compiled.programs
-    ]
-
-
 def held_chunks(layout: Layout, rank: int) -> list[int]:
     """The chunk of every stage `rank` holds (a chunk held by two stages appears twice)."""
     return [layout.stage_chunk[s] for s in layout.stages_of_rank(rank)]
@@ -127,10 +111,11 @@ def static_memory(layout: Layout, chunks: Chunks, rank: int) -> RankMemory:
     return RankMemory(weights, weights, optimizer, 0)
 
 
-def rank_memory(compiled: Compiled, costs: CostModel, chunks: Chunks) -> tuple[RankMemory, ...]:
-    """Every rank's peak memory for `compiled` run on `chunks` (see the module doc)."""
-    stash = stash_peaks(compiled, costs, chunks.stash_bytes)
+def rank_memory(layout: Layout, sim: SimResult, chunks: Chunks) -> tuple[RankMemory, ...]:
+    """Every rank's peak memory: static bytes from `chunks`, stash bytes the simulator's own
+    peak (`sim` of programs compiled with `chunks.stash_bytes` in the cost model), so that the
+    plan and `pipec compile`/the runtime's comparison count memory one way."""
     return tuple(
-        replace(static_memory(compiled.layout, chunks, rank), stash=stash[rank])
-        for rank in range(compiled.world)
+        replace(static_memory(layout, chunks, r), stash=round(s.peak_stash_bytes or 0))
+        for r, s in enumerate(sim.ranks)
     )

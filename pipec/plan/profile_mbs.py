@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -90,8 +90,13 @@ def profile_model(
         raise PipecError(f"{spec} builds its model on the meta device; plan needs a runnable one")
     example = ms.example_inputs[0].shape[0]
     block_facts = tuple(
-        BlockFacts(s.params, s.param_bytes, FBW(*(getattr(s.flops, k) / example for k in "FBW")))
-        for s in facts.stages
+        BlockFacts(
+            s.params,
+            s.param_bytes,
+            FBW(*(getattr(s.flops, k) / example for k in "FBW")),
+            _optimizer_step(block, runs),
+        )
+        for s, block in zip(facts.stages, blocks)
     )
     if peak_flops is None:
         dtype = next(p.dtype for p in ms.model.parameters() if p.is_floating_point())
@@ -158,6 +163,7 @@ def _measure(ms: ModelSpec, blocks: list, mbs: int, runs: int) -> MbsPoint:  # t
         profile_stages(blocks, boundaries, loss, runs=1, warmup=0, progress=False)
         for _ in range(runs + 1)
     ][1:]
+    fused = [_fused_backward(blocks, boundaries, loss) for _ in range(runs + 1)][1:]
     return MbsPoint(
         mbs=mbs,
         seconds=tuple(
@@ -166,7 +172,46 @@ def _measure(ms: ModelSpec, blocks: list, mbs: int, runs: int) -> MbsPoint:  # t
         ),
         stash_bytes=stash,
         input_bytes=tuple(sum(t.untyped_storage().nbytes() for t in x) for x in boundaries),
+        fused_backward=tuple(min(r[k] for r in fused) for k in range(len(blocks))),
     )
+
+
+def _fused_backward(
+    blocks: list, boundaries: list[tuple[Tensor, ...]], loss: Callable[[Tensor], Tensor]
+) -> list[float]:  # type: ignore[type-arg]
+    """One round of every block's fused backward: B and W in one autograd pass, what the
+    runtime runs for BW (weight gradients applied at once, outside the split's queue). It
+    costs less than the split B plus W, which pay the deferral."""
+    out = []
+    last = len(blocks) - 1
+    for k, (block, inputs) in enumerate(zip(blocks, boundaries)):
+        leaves = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in inputs)
+        y = block(*leaves)
+        y = loss(y) if k == last else y
+        t0 = _now(leaves[0].device)
+        torch.autograd.backward(y, None if k == last else torch.ones_like(y))
+        out.append(_now(leaves[0].device) - t0)
+        for p in block.parameters():
+            p.grad = None
+    return out
+
+
+def _optimizer_step(block: torch.nn.Module, runs: int) -> float:
+    """Seconds of the runtime's AdamW step over the block's parameters (fastest of `runs`
+    after a warm-up), on copies: the block itself is left as it was."""
+    params = [p.detach().clone().requires_grad_(True) for p in block.parameters()]
+    if not params:
+        return 0.0
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    best = float("inf")
+    for run in range(runs + 1):
+        t0 = _now(params[0].device)
+        opt.step()
+        if run:
+            best = min(best, _now(params[0].device) - t0)
+    return best
 
 
 def _activation_bytes(point: MbsPoint) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from passes.topology import Link
 from pipec.plan.candidates import Evaluated
 from pipec.plan.driver import Plan
 from pipec.plan.memory import format_bytes
@@ -59,6 +60,7 @@ def render_text(plan: Plan, top: int = 10) -> str:
             f"{format_bytes(req.bytes_per_device)} per device"
         ),
         f"peak {prof.peak_flops / 1e12:.3g} TFLOP/s per device ({prof.peak_source})",
+        _machine_line(plan),
         f"profiled MFU by micro-batch size: {curve}"
         + (f"  [stopped: {prof.stopped}]" if prof.stopped else ""),
         "",
@@ -87,6 +89,21 @@ def render_text(plan: Plan, top: int = 10) -> str:
         "not applicable (--json lists them with the reason)"
     )
     return "\n".join(lines)
+
+
+def _machine_line(plan: Plan) -> str:
+    topo, req = plan.request.machine, plan.request
+    if topo is None:
+        return f"transfers: {req.comm_s:g} s each (--comm; --nodes/--link price them by link)"
+
+    def link(k: Link) -> str:
+        return f"{k.bandwidth / 1e9:.3g} GB/s + {k.latency * 1e6:.3g} us"
+
+    inter = f", inter-node {link(topo.inter)}" if topo.nodes > 1 else ""
+    return (
+        f"machine: {topo.nodes} node(s) x {topo.gpus_per_node} GPUs; intra-node "
+        f"{link(topo.intra)}{inter} per transfer"
+    )
 
 
 def _baseline_line(plan: Plan) -> str:
@@ -140,6 +157,8 @@ def render_json(plan: Plan) -> dict:
         "dp": req.dp,
         "global_batch": req.global_batch,
         "memory_per_device": req.bytes_per_device,
+        "comm_s": req.comm_s,
+        "machine": req.machine.to_json() if req.machine else None,
         "peak_flops": prof.peak_flops,
         "peak_source": prof.peak_source,
         "tokens_per_sample": prof.tokens_per_sample,
