@@ -3,7 +3,7 @@
 The plan prices memory from its own profile (each block's stash at the micro-batch size,
 summed per chunk); the runtime counts what autograd really saves (saved-tensor hooks). Both
 candidates are built with `pipec.plan.build.compile_candidate`, so the programs run are the
-ones the plan simulated: plain 1F1B, and 1F1B under a budget that makes the BPipe pass evict
+ones the plan simulated: plain 1F1B, V-Half, and 1F1B under a budget that makes the BPipe pass evict
 rank 0's stashes to rank 3 (counted there by both).
 """
 
@@ -31,7 +31,8 @@ pytestmark = pytest.mark.slow
 
 
 def candidates() -> dict:
-    """Plain 1F1B at mbs 2, and the evict candidate under a budget 3.5 stashes of rank 0."""
+    """Plain 1F1B at mbs 2, the evict candidate under a budget 3.5 stashes of rank 0, and
+    V-Half (a V of split backwards: what W holds after B is counted too)."""
     from pipec.plan.profile_mbs import profile_model
 
     profile = profile_model(GPT, [MBS], time_budget=60, runs=1, peak_flops=1e12, progress=False)
@@ -41,7 +42,9 @@ def candidates() -> dict:
     budget = rank0.total - rank0.stash + int(3.5 * plain.chunks.stash_bytes[0])
     req = PlanRequest(P, BATCH, budget, schedules=("1f1b",), strategies=("plain", "evict"))
     evict = next(e for e in plan_profile(profile, req).evaluation.fits if e.strategy == "evict")
-    return {"plain": plain, "evict": evict}
+    v_req = PlanRequest(P, BATCH, 2**40, schedules=("v-half",), strategies=("plain",))
+    v_half = plan_profile(profile, v_req).evaluation.fits[0]
+    return {"plain": plain, "evict": evict, "v-half": v_half}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +68,7 @@ def measured(tmp_path_factory):
     return chosen, results, ranks
 
 
-@pytest.mark.parametrize("name", ["plain", "evict"])
+@pytest.mark.parametrize("name", ["plain", "evict", "v-half"])
 def test_planned_stash_bytes_match_the_runtime_within_10_percent(measured, name):
     chosen, _, ranks = measured
     for rank, (mem, res) in enumerate(zip(chosen[name].memory, ranks)):
