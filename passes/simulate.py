@@ -225,9 +225,10 @@ def activation_profile(
     """
     live, out = 0.0, []
     share = layout.stash_share
+    deltas = {op: d for op in Op if (d := costs.mem_delta(op, recompute))}  # one lookup per op
     for instr in program:
-        delta = costs.mem_delta(instr.op, recompute)
-        if delta:
+        delta = deltas.get(instr.op)
+        if delta is not None:
             if stash_of_chunk is not None:
                 share = stash_of_chunk[layout.stage_chunk[instr.stage]]
             live += delta * share
