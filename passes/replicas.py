@@ -12,11 +12,13 @@ the schedules, the verifier and the simulator share about them.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from operator import attrgetter
 
 from passes.costs import CostModel
 from pipec.ir import COMPUTE_OPS, Instr, Layout, Op, PipecError
 
 Node = tuple[Op, int, int]
+_op_of = attrgetter("op")
 
 
 def sync_instr(layout: Layout, stage: int) -> Instr:
@@ -85,6 +87,8 @@ def coverage_error(layout: Layout, programs: Sequence[Sequence[Instr]]) -> str |
     """Why the programs do not all-reduce every replicated stage exactly once, if they do not."""
     seen: set[int] = set()
     for r, prog in enumerate(programs):
+        if Op.ALLREDUCE_GRADS not in map(_op_of, prog):  # most programs: a scan in C
+            continue
         for pos, instr in enumerate(prog):
             if instr.op is not Op.ALLREDUCE_GRADS or instr.peer is None:  # DP's: no replica
                 continue
@@ -120,6 +124,9 @@ def sync_times(
     pending: list[list[tuple[Instr, float]]] = []
     for prog in programs:
         clock, mine = 0.0, []
+        if Op.ALLREDUCE_GRADS not in map(_op_of, prog):  # most programs: a scan in C
+            pending.append(mine)
+            continue
         for instr in prog:
             if instr.op in COMPUTE_OPS:
                 clock = times[(instr.op, instr.stage, instr.mb)][1]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import chain
 from dataclasses import dataclass
+from typing import NamedTuple
 from operator import attrgetter
 
 from passes.costs import CostModel
@@ -36,9 +37,9 @@ from pipec.ir import (
 Node = tuple[Op, int, int]
 
 
-@dataclass(frozen=True)
-class Slot:
-    """One compute instruction's place on the simulated timeline."""
+class Slot(NamedTuple):
+    """One compute instruction's place on the simulated timeline (a named tuple: a compile
+    makes 10^5 of them, and a frozen dataclass's __init__ is several times slower)."""
 
     instr: Instr
     start: float
@@ -121,6 +122,8 @@ def overlap_starts(program: Sequence[Instr]) -> set[int]:
     """Indices of the first op of each OVERLAP pair, counting the ops `play` steps through
     (compute and stash moves)."""
     starts, k, marked = set(), 0, False
+    if Op.OVERLAP not in map(attrgetter("op"), program):  # the common case, scanned in C
+        return starts
     for instr in program:
         if instr.op is Op.OVERLAP:
             marked = True
@@ -148,7 +151,8 @@ def play(
     recompute = uses_recompute(programs)
     fused = fused_backwards(programs)
     rank_of = layout.stage_rank
-    compute = [[i for i in prog if i.op in COMPUTE_OPS or i.op in MEMORY_OPS] for prog in programs]
+    played_ops = COMPUTE_OPS | MEMORY_OPS
+    compute = [[i for i in prog if i.op in played_ops] for prog in programs]
     paired = [overlap_starts(prog) for prog in programs]
     times: dict[Node, tuple[float, float]] = {}
     done_order: list[Node] = []
@@ -159,22 +163,28 @@ def play(
     size = costs.mem_input * layout.stash_share  # a stage input: what a message carries
     msg = [[costs.transfer_time(a, b, size) for b in range(layout.p)] for a in range(layout.p)]
     moves = transfers if transfers is not None else Transfers(layout, costs, recompute)
-    durations: dict[tuple[Op, int], float] = {}
+    # Per op kind, each stage's duration; per rank, each producer stage's message delay to it.
+    durations = {op: [costs.duration(Instr(op, st), layout) for st in range(layout.n_stages)]
+                 for op in COMPUTE_OPS}
+    delay = [[msg[rank_of[st]][r] for st in range(layout.n_stages)] for r in range(len(compute))]
     memo = dependency_memo(layout, recompute, fused)  # read inline: this loop is the hot path
+    memory_ops = MEMORY_OPS
     while ready:
         r = ready.pop()
         order, k, t = compute[r], pos[r], clock[r]
-        while k < len(order):
+        pairs, delay_r, end = paired[r], delay[r], len(order)
+        while k < end:
             instr = order[k]
-            if instr.op in MEMORY_OPS:
+            op = instr.op
+            if op in memory_ops:
                 ready.extend(waiting.pop(moves.reach(r, instr, t), ()))
                 k += 1
                 continue
-            node = (instr.op, instr.stage, instr.mb)
+            node = (op, instr.stage, instr.mb)
             start = t
             blocked = None
             deps = memo.get(node) or dependencies(layout, node, recompute, fused)
-            if k in paired[r]:  # the pair starts once the inputs of both ops are in
+            if pairs and k in pairs:  # the pair starts once the inputs of both ops are in
                 second = (order[k + 1].op, order[k + 1].stage, order[k + 1].mb)
                 deps = chain(deps, dependencies(layout, second, recompute, fused))
             for dep in deps:
@@ -182,26 +192,25 @@ def play(
                 if finished is None:
                     blocked = dep
                     break
-                arrive = finished[1] + msg[rank_of[dep[1]]][r]
+                arrive = finished[1] + delay_r[dep[1]]
                 if arrive > start:
                     start = arrive
-            gate = moves.gate(r, instr) if blocked is None and moves.pending else None
-            if gate is not None:
-                if gate[1] is None:
-                    blocked = gate[0]
-                else:
-                    start = max(start, gate[1])
-                    moves.consume(r, instr)
+            if blocked is None and moves.pending:
+                gate = moves.gate(r, instr)
+                if gate is not None:
+                    if gate[1] is None:
+                        blocked = gate[0]
+                    else:
+                        start = max(start, gate[1])
+                        moves.consume(r, instr)
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(r)
                 break
-            d = durations.get((instr.op, instr.stage))
-            if d is None:
-                d = durations[(instr.op, instr.stage)] = costs.duration(instr, layout)
-            t = start + d
+            t = start + durations[op][instr.stage]
             times[node] = (start, t)
             done_order.append(node)
-            ready.extend(waiting.pop(node, ()))
+            if node in waiting:
+                ready.extend(waiting.pop(node))
             k += 1
         pos[r], clock[r] = k, t
     stuck = [r for r in range(len(compute)) if pos[r] < len(compute[r])]

@@ -81,6 +81,7 @@ MEMORY_OPS = frozenset({Op.EVICT, Op.LOAD, Op.ACCEPT, Op.RETURN})
 #: Ops whose peer field is the destination (printed `to=`); the others print `from=`.
 TO_PEER_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.EVICT, Op.RETURN, Op.ALLREDUCE_GRADS})
 _OP_NAME = {op: op.value for op in Op}  # Enum's .value is a slow descriptor on hot paths
+_PEER_KEY = {op: " to=" if op in TO_PEER_OPS else " from=" for op in Op}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,11 @@ class Instr:
     peer: int | None = None
 
     def __str__(self) -> str:
+        stage, mb, peer = self.stage, self.mb, self.peer
+        if stage is not None and mb is not None:  # nearly every instruction: one format
+            if peer is None:
+                return f"{_OP_NAME[self.op]} s={stage} mb={mb}"
+            return f"{_OP_NAME[self.op]} s={stage} mb={mb}{_PEER_KEY[self.op]}{peer}"
         text = _OP_NAME[self.op]
         if self.stage is not None:
             text += f" s={self.stage}"
