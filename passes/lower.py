@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
+from operator import itemgetter
 
 from passes.costs import CostModel
 from passes.simulate import Played, play, uses_recompute
@@ -52,14 +53,14 @@ def messages(schedule: Schedule, played: Played) -> list[Message]:
     rank_of = layout.stage_rank
     memo = dependency_memo(layout, recompute, fused)  # read inline: 10^5 nodes at p=64
     out: list[Message] = []
-    for node in done_order:
+    for k, node in enumerate(done_order):
         here = rank_of[node[1]]
         for dep in memo.get(node) or dependencies(layout, node, recompute, fused):
             there = rank_of[dep[1]]
             if there != here:
                 send, recv = _send_recv(dep, node, rank_of)
                 ends = [(there, ("send", send, dep)), (here, ("recv", recv, node))]
-                out.append(((times[dep][1], seq[dep], seq[node]), ends))
+                out.append(((times[dep][1], seq[dep], k), ends))
     triggers = _sync_triggers(schedule)
     for s, (instr, trigger) in triggers.items():
         r = layout.replica[s]
@@ -77,7 +78,7 @@ def messages(schedule: Schedule, played: Played) -> list[Message]:
                 (rank_of[r], ("sync", other, other_trigger)),
             ]
             out.append((key, ends))
-    out.sort(key=lambda message: message[0])
+    out.sort(key=itemgetter(0))
     return out
 
 
@@ -132,11 +133,11 @@ def _merge(order: Sequence[Instr], msgs: Sequence[Entry]) -> Program:
         if kind == "recv":
             need[index[node]] = j
     # An OVERLAP pair starts as one unit: the inputs of both its ops come before the marker.
-    computes = sorted(index.values())[1:]  # without the None entry's -1
-    for k, instr in enumerate(order):
-        if instr.op is Op.OVERLAP:
-            first = bisect_right(computes, k)
-            need[k] = max(need[j] for j in computes[first : first + 2])
+    overlaps = [k for k, instr in enumerate(order) if instr.op is Op.OVERLAP]
+    computes = sorted(index.values())[1:] if overlaps else []  # without the None entry's -1
+    for k in overlaps:
+        first = bisect_right(computes, k)
+        need[k] = max(need[j] for j in computes[first : first + 2])
     # Each message goes out as soon as it may: a send or sync once the compute op it follows
     # is out, a receive once the next compute op needs it (or none is left).
     out: list[Instr] = []

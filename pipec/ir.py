@@ -93,6 +93,16 @@ class Instr:
     mb: int | None = None
     peer: int | None = None
 
+    def __init__(
+        self, op: Op, stage: int | None = None, mb: int | None = None, peer: int | None = None
+    ) -> None:
+        # Written out (dataclass keeps it): the generated frozen __init__ goes through
+        # object.__setattr__, twice as slow, and a compile makes 10^5-10^6 instructions.
+        _set_op(self, op)
+        _set_stage(self, stage)
+        _set_mb(self, mb)
+        _set_peer(self, peer)
+
     def __str__(self) -> str:
         stage, mb, peer = self.stage, self.mb, self.peer
         if stage is not None and mb is not None:  # nearly every instruction: one format
@@ -108,6 +118,10 @@ class Instr:
             text += f" {'to' if self.op in TO_PEER_OPS else 'from'}={self.peer}"
         return text
 
+
+_set_op, _set_stage, _set_mb, _set_peer = (
+    Instr.__dict__[field].__set__ for field in ("op", "stage", "mb", "peer")
+)  # the slots' own setters: they skip the frozen class's __setattr__
 
 Program = tuple[Instr, ...]
 """One rank's instructions, in the order the runtime executes them."""
