@@ -14,7 +14,7 @@ follow `passes/transfers.py`; replica all-reduces `passes/replicas.py`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain
+from itertools import accumulate, chain
 from dataclasses import dataclass
 from typing import NamedTuple
 from operator import attrgetter
@@ -232,15 +232,15 @@ def activation_profile(
     With `stash_of_chunk` (one micro-batch's stash of each chunk, e.g. in bytes), a stage's
     stash weighs that instead of the uniform `layout.stash_share`.
     """
+    if stash_of_chunk is None:  # one share for every stage: a running sum, all in C
+        share = layout.stash_share
+        delta = {op: costs.mem_delta(op, recompute) * share for op in Op}
+        return list(accumulate(map(delta.__getitem__, map(attrgetter("op"), program))))
     live, out = 0.0, []
-    share = layout.stash_share
-    deltas = {op: d for op in Op if (d := costs.mem_delta(op, recompute))}  # one lookup per op
     for instr in program:
-        delta = deltas.get(instr.op)
-        if delta is not None:
-            if stash_of_chunk is not None:
-                share = stash_of_chunk[layout.stage_chunk[instr.stage]]
-            live += delta * share
+        d = costs.mem_delta(instr.op, recompute)
+        if d:
+            live += d * stash_of_chunk[layout.stage_chunk[instr.stage]]
         out.append(live)
     return out
 
