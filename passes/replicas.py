@@ -12,13 +12,11 @@ the schedules, the verifier and the simulator share about them.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from operator import attrgetter
 
 from passes.costs import CostModel
-from pipec.ir import COMPUTE_OPS, Instr, Layout, Op, PipecError
+from pipec.ir import COMPUTE_OPS, Instr, Layout, Op, PipecError, op_kinds
 
 Node = tuple[Op, int, int]
-_op_of = attrgetter("op")
 
 
 def sync_instr(layout: Layout, stage: int) -> Instr:
@@ -86,9 +84,8 @@ def sync_error(layout: Layout, instr: Instr, rank: int) -> str | None:
 def coverage_error(layout: Layout, programs: Sequence[Sequence[Instr]]) -> str | None:
     """Why the programs do not all-reduce every replicated stage exactly once, if they do not."""
     seen: set[int] = set()
-    for r, prog in enumerate(programs):
-        if Op.ALLREDUCE_GRADS not in map(_op_of, prog):  # most programs: a scan in C
-            continue
+    synced = Op.ALLREDUCE_GRADS in op_kinds(programs)  # most schedules have none to walk
+    for r, prog in enumerate(programs if synced else ()):
         for pos, instr in enumerate(prog):
             if instr.op is not Op.ALLREDUCE_GRADS or instr.peer is None:  # DP's: no replica
                 continue
@@ -121,12 +118,11 @@ def sync_times(
     ranks have issued it and each rank's previous collective has finished (one communicator
     per rank runs them in turn), and takes `costs.allreduce`.
     """
+    if Op.ALLREDUCE_GRADS not in op_kinds(programs):  # most schedules
+        return [0.0] * len(programs)
     pending: list[list[tuple[Instr, float]]] = []
     for prog in programs:
         clock, mine = 0.0, []
-        if Op.ALLREDUCE_GRADS not in map(_op_of, prog):  # most programs: a scan in C
-            pending.append(mine)
-            continue
         for instr in prog:
             if instr.op in COMPUTE_OPS:
                 clock = times[(instr.op, instr.stage, instr.mb)][1]

@@ -14,10 +14,10 @@ follow `passes/transfers.py`; replica all-reduces `passes/replicas.py`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate, chain
 from dataclasses import dataclass
-from typing import NamedTuple
+from itertools import accumulate, chain
 from operator import attrgetter
+from typing import NamedTuple
 
 from passes.costs import CostModel
 from passes.replicas import sync_times
@@ -32,6 +32,7 @@ from pipec.ir import (
     dependencies,
     dependency_memo,
     fused_backwards,
+    op_kinds,
 )
 
 Node = tuple[Op, int, int]
@@ -111,8 +112,7 @@ def _round(x: float) -> float:
 
 def uses_recompute(programs: Sequence[Sequence[Instr]]) -> bool:
     """Whether the programs recompute forwards (which adds RECOMPUTE to the work graph)."""
-    op_of = attrgetter("op")
-    return any(Op.RECOMPUTE in map(op_of, prog) for prog in programs)  # scans in C
+    return Op.RECOMPUTE in op_kinds(programs)
 
 
 Played = tuple[dict[Node, tuple[float, float]], list[Node]]
@@ -122,8 +122,6 @@ def overlap_starts(program: Sequence[Instr]) -> set[int]:
     """Indices of the first op of each OVERLAP pair, counting the ops `play` steps through
     (compute and stash moves)."""
     starts, k, marked = set(), 0, False
-    if Op.OVERLAP not in map(attrgetter("op"), program):  # the common case, scanned in C
-        return starts
     for instr in program:
         if instr.op is Op.OVERLAP:
             marked = True
@@ -153,7 +151,8 @@ def play(
     rank_of = layout.stage_rank
     played_ops = COMPUTE_OPS | MEMORY_OPS
     compute = [[i for i in prog if i.op in played_ops] for prog in programs]
-    paired = [overlap_starts(prog) for prog in programs]
+    overlaps = Op.OVERLAP in op_kinds(programs)
+    paired = [overlap_starts(prog) if overlaps else set() for prog in programs]
     times: dict[Node, tuple[float, float]] = {}
     done_order: list[Node] = []
     waiting: dict[object, list[int]] = {}

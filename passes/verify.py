@@ -19,7 +19,6 @@ in one O(n) worklist pass. A violation is a `VerifyError` naming rank, position,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
 
 from passes import replicas
 from passes.costs import CostModel
@@ -38,6 +37,7 @@ from pipec.ir import (
     Layout,
     dependency_memo,
     fused_backwards,
+    op_kinds,
 )
 
 
@@ -133,10 +133,9 @@ def _raise_coverage_error(
 def _overlap_error(programs: Sequence[Sequence[Instr]]) -> str | None:
     """Why an OVERLAP marker is not followed by a forward and then a backward, if one is not."""
     why = "must precede a forward and then a backward"
-    op_of = attrgetter("op")
+    if Op.OVERLAP not in op_kinds(programs):  # the common case
+        return None
     for r, prog in enumerate(programs):
-        if Op.OVERLAP not in map(op_of, prog):  # the common case, scanned in C
-            continue
         marker, pair = None, []
         for pos, instr in enumerate(prog):
             if instr.op is Op.OVERLAP:
@@ -160,8 +159,8 @@ def _fused(compiled: Compiled) -> frozenset[tuple[int, int]]:
     mixed = fused_backwards(programs)
     if mixed is not None:
         return mixed
-    op_of = attrgetter("op")
-    if any(Op.B in ops or Op.W in ops for ops in (set(map(op_of, prog)) for prog in programs)):
+    kinds = op_kinds(programs)
+    if Op.B in kinds or Op.W in kinds:
         return frozenset()
     layout = compiled.layout
     return frozenset((s, i) for pl in layout.pipelines for s in pl.stages for i in pl.mbs)

@@ -268,16 +268,37 @@ class Compiled:
         return len(self.programs)
 
 
+_KINDS_SEEN: dict[int, tuple[object, frozenset[Op]]] = {}
+
+
+def op_kinds(programs: Sequence[Sequence[Instr]]) -> frozenset[Op]:
+    """Every op the programs use.
+
+    Each pass asks this (recompute? fused backwards?) of the same 10^5-10^6 instructions, so
+    the answer for a tuple of tuples, which cannot change, is kept for the last few asked,
+    looked up by identity (the kept reference keeps the identity from being reused).
+    """
+    frozen = type(programs) is tuple and all(type(prog) is tuple for prog in programs)
+    seen = _KINDS_SEEN.get(id(programs)) if frozen else None
+    if seen is not None and seen[0] is programs:
+        return seen[1]
+    op_of = attrgetter("op")
+    kinds = frozenset().union(*(set(map(op_of, prog)) for prog in programs))  # scans in C
+    if frozen:
+        if len(_KINDS_SEEN) >= 4:
+            _KINDS_SEEN.clear()
+        _KINDS_SEEN[id(programs)] = (programs, kinds)
+    return kinds
+
+
 def fused_backwards(programs: Sequence[Sequence[Instr]]) -> frozenset[tuple[int, int]] | None:
     """(stage, mb) of every fused BW when the programs split other backwards into B and W.
 
     DualPipe mixes them: a full backward is one BW, a zero-bubble one is B then W. None when
     every backward has the same form, the common case.
     """
-    op_of = attrgetter("op")  # the scans run in C: this is asked of 10^5-instruction programs
-    if not any(Op.BW in map(op_of, prog) for prog in programs):
-        return None
-    if not any(Op.B in map(op_of, prog) for prog in programs):
+    kinds = op_kinds(programs)
+    if Op.BW not in kinds or Op.B not in kinds:
         return None
     return frozenset((i.stage, i.mb) for prog in programs for i in prog if i.op is Op.BW)
 
