@@ -42,6 +42,9 @@ follows (send, sync) or precedes (recv); None for a sync with no compute before 
 Message = tuple[tuple, list[tuple[int, Entry]]]
 """A message's global key and its entries, one per rank that takes part."""
 
+#: (send, receive) ops of a message carrying a forward's output (True) or a gradient (False).
+_MESSAGE_OPS = {True: (Op.SEND_ACT, Op.RECV_ACT), False: (Op.SEND_GRAD, Op.RECV_GRAD)}
+
 
 def messages(schedule: Schedule, played: Played) -> list[Message]:
     """Every cross-rank data edge and replica all-reduce, in global message order."""
@@ -57,8 +60,10 @@ def messages(schedule: Schedule, played: Played) -> list[Message]:
         here = rank_of[node[1]]
         for dep in memo.get(node) or dependencies(layout, node, recompute, fused):
             there = rank_of[dep[1]]
-            if there != here:
-                send, recv = _send_recv(dep, node, rank_of)
+            if there != here:  # a forward's output goes downstream, anything else is a gradient
+                send_op, recv_op = _MESSAGE_OPS[dep[0] is Op.F]
+                send = Instr(send_op, dep[1], dep[2], here)
+                recv = Instr(recv_op, node[1], dep[2], there)
                 ends = [(there, ("send", send, dep)), (here, ("recv", recv, node))]
                 out.append(((times[dep][1], seq[dep], k), ends))
     triggers = _sync_triggers(schedule)
@@ -93,14 +98,6 @@ def _sync_triggers(schedule: Schedule) -> dict[int, tuple[Instr, Node | None]]:
             elif instr.op is Op.ALLREDUCE_GRADS:
                 found[instr.stage] = (instr, last)
     return found
-
-
-def _send_recv(producer: Node, consumer: Node, rank_of: Sequence[int]) -> tuple[Instr, Instr]:
-    op, s, mb = producer
-    c = consumer[1]
-    if op is Op.F:
-        return Instr(Op.SEND_ACT, s, mb, rank_of[c]), Instr(Op.RECV_ACT, c, mb, rank_of[s])
-    return Instr(Op.SEND_GRAD, s, mb, rank_of[c]), Instr(Op.RECV_GRAD, c, mb, rank_of[s])
 
 
 def lower(schedule: Schedule, costs: CostModel, played: Played | None = None) -> Compiled:

@@ -247,9 +247,11 @@ def check_execution(compiled: Compiled) -> None:
                 near = None if entry is None or mb is None or s is None else entry[1].get(s)
                 if near is not None and rank_of[near] == q:  # a well-formed send or receive
                     counter_op, _, sends, act = entry
-                    sender_stage = s if sends else near
-                    b = bw_op if (sender_stage, mb) in fused else b_op
-                    payload = (f_op if act else b, sender_stage, mb)
+                    sender = s if sends else near
+                    if act:
+                        payload = (f_op, sender, mb)
+                    else:
+                        payload = (bw_op if (sender, mb) in fused else b_op, sender, mb)
                     if sends and payload not in avail:
                         pos[r] = k
                         _message(r, k, instr, compiled, available, fused)  # raises
@@ -277,8 +279,9 @@ def check_execution(compiled: Compiled) -> None:
                 pos[q] += 1
                 k = pos[r]
                 ready.add(q)
-                ready |= waiters[q]  # the peer moved: whoever waits on it may go on
-                waiters[q].clear()
+                if waiters[q]:  # the peer moved: whoever waits on it may go on
+                    ready |= waiters[q]
+                    waiters[q].clear()
             elif op is Op.OPTIMIZER_STEP:
                 if k != end - 1:
                     raise VerifyError(f"{_at(r, k, instr)}: OPTIMIZER_STEP must come last")
