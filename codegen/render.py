@@ -22,6 +22,9 @@ SVG_WIDTH = 1200.0
 ROW_HEIGHT = 22
 LEFT = 70
 MEMORY_COLUMN = 190  # right of the chart: each rank's peak, in stashes (and bytes with a model)
+#: Above this many ops the SVG is drawn per pixel column: boxes would be narrower than a pixel,
+#: and 10^5 of them (p=64, m=1024) took longer to print than the programs took to compile.
+SVG_MAX_BOXES = 20_000
 _OP_NAME = {op: op.name for op in Op}  # Enum's .name is a slow descriptor; 10^5 slots print
 
 
@@ -109,24 +112,20 @@ def _json_int(value: int | None) -> str:
 
 
 def render_svg(sim: SimResult, title: str) -> str:
-    """A Gantt chart: ranks down, time across, F/B/W colours, micro-batch labels."""
+    """A Gantt chart: ranks down, time across, F/B/W colours, micro-batch labels.
+
+    Above SVG_MAX_BOXES ops the chart is drawn per pixel column (see `_pixel_boxes`).
+    """
     scale = (SVG_WIDTH - LEFT - 10) / sim.makespan if sim.makespan > 0 else 1.0
     top, h = 24, ROW_HEIGHT - 4
-    boxes = []  # one preformatted line per op: 10^5 boxes must print in well under a second
+    n_ops = sum(len(slots) for slots in sim.timeline)
+    per_pixel = n_ops > SVG_MAX_BOXES
+    if per_pixel:
+        title += f" ({n_ops} ops, drawn per pixel column: its busiest op kind; timeline.json has each op)"
+    boxes = []
     for rank, slots in enumerate(sim.timeline):
         y = top + rank * ROW_HEIGHT
-        text_y, tail = y + h // 2 + 4, f'" y="{y}" width="'
-        for instr, start, end in slots:
-            w = (end - start) * scale
-            x = LEFT + start * scale
-            box = (
-                f'<rect class="{_OP_NAME[instr.op]}" x="{x:.2f}{tail}{w:.2f}" '
-                f'height="{h}"><title>{instr} [{start:g}, {end:g})</title></rect>'
-            )
-            label = str(instr.mb)
-            if w >= 7 * len(label) + 2:
-                box += f'<text class="l" x="{x + w / 2:.2f}" y="{text_y}">{label}</text>'
-            boxes.append(box)
+        boxes += (_pixel_boxes if per_pixel else _op_boxes)(slots, y, h, scale)
     rows = [(f"rank {r}", top + r * ROW_HEIGHT + h // 2 + 4) for r in range(len(sim.timeline))]
     peaks = [
         f"peak {r.peak_activations:.4g} stashes"
@@ -140,6 +139,62 @@ def render_svg(sim: SimResult, title: str) -> str:
         legend=[(k, LEFT + 60 * i) for i, k in enumerate(kinds)],
         memory=[(text, y) for text, (_, y) in zip(peaks, rows)], memory_x=int(SVG_WIDTH) + 4,
     )
+
+
+def _op_boxes(slots: Sequence[Slot], y: int, h: int, scale: float) -> list[str]:
+    """One box per op, with its instruction and times as a tooltip and its micro-batch label."""
+    boxes = []  # one preformatted line per op
+    text_y, tail = y + h // 2 + 4, f'" y="{y}" width="'
+    for instr, start, end in slots:
+        w = (end - start) * scale
+        x = LEFT + start * scale
+        box = (
+            f'<rect class="{_OP_NAME[instr.op]}" x="{x:.2f}{tail}{w:.2f}" '
+            f'height="{h}"><title>{instr} [{start:g}, {end:g})</title></rect>'
+        )
+        label = str(instr.mb)
+        if w >= 7 * len(label) + 2:
+            box += f'<text class="l" x="{x + w / 2:.2f}" y="{text_y}">{label}</text>'
+        boxes.append(box)
+    return boxes
+
+
+def _pixel_boxes(slots: Sequence[Slot], y: int, h: int, scale: float) -> list[str]:
+    """One box per run of pixel columns in which the rank spends most time on one op kind.
+
+    Past SVG_MAX_BOXES ops, ops are narrower than a pixel (an F is 0.4 px at p=64, m=1024), so
+    this is what the chart can show; an op counts in the column of its middle, or, when wider
+    than a pixel, in every column it covers.
+    """
+    busy: dict[tuple[int, str], float] = {}
+    for instr, start, end in slots:
+        x0, w, kind = start * scale, (end - start) * scale, _OP_NAME[instr.op]
+        if w <= 1:
+            key = (int(x0 + w / 2), kind)
+            busy[key] = busy.get(key, 0.0) + w
+            continue
+        for c in range(int(x0), int(x0 + w) + 1):
+            busy[c, kind] = busy.get((c, kind), 0.0) + w
+    best: dict[int, tuple[float, str]] = {}
+    for (c, kind), t in sorted(busy.items()):
+        best[c] = max(best.get(c, (0.0, "")), (t, kind))
+    boxes, run = [], None  # run: [first column, last column, kind]
+    for c in sorted(best):
+        kind = best[c][1]
+        if run is not None and run[1] == c - 1 and run[2] == kind:
+            run[1] = c
+            continue
+        if run is not None:
+            boxes.append(_pixel_run(run, y, h))
+        run = [c, c, kind]
+    if run is not None:
+        boxes.append(_pixel_run(run, y, h))
+    return boxes
+
+
+def _pixel_run(run: list, y: int, h: int) -> str:
+    first, last, kind = run
+    return f'<rect class="{kind}" x="{LEFT + first}" y="{y}" width="{last - first + 1}" height="{h}"/>'
 
 
 def format_bytes(n: float) -> str:
