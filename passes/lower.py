@@ -146,7 +146,8 @@ def _merge(order: Sequence[Instr], msgs: Sequence[Entry]) -> Program:
                 ci += 1
         elif ci <= index[node]:
             ci = index[node] + 1
-        out += order[start:ci]
+        if ci != start:
+            out += order[start:ci]
         out.append(instr)
     out += order[ci:]
     return tuple(out)
