@@ -19,6 +19,8 @@ in one O(n) worklist pass. A violation is a `VerifyError` naming rank, position,
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
+from operator import attrgetter
 
 from passes import replicas
 from passes.costs import CostModel
@@ -43,6 +45,9 @@ from pipec.ir import (
 
 #: Ops that meet a counterpart on a peer rank (a replica all-reduce only when it names one).
 MESSAGE_LIKE = SEND_OPS | RECV_OPS | MEMORY_OPS | {Op.ALLREDUCE_GRADS}
+
+
+_op_of = attrgetter("op")
 
 
 class VerifyError(PipecError):
@@ -77,12 +82,13 @@ def check_coverage(compiled: Compiled) -> None:
         raise VerifyError(f"{len(programs)} programs for a {layout.p}-rank layout")
     fused = _fused(compiled)
     extra = (Op.RECOMPUTE,) if uses_recompute(programs) else ()
+    fused_kinds, split_kinds = (Op.F, *extra, Op.BW), (Op.F, *extra, Op.B, Op.W)
     expected = {
         (k, s, i)
         for pl in layout.pipelines
         for s in pl.stages
         for i in pl.mbs
-        for k in (Op.F, *extra, *((Op.BW,) if (s, i) in fused else (Op.B, Op.W)))
+        for k in (fused_kinds if (s, i) in fused else split_kinds)
     }
     seen: set = set()
     rank_of = layout.stage_rank
@@ -287,7 +293,7 @@ def check_execution(compiled: Compiled) -> None:
                     raise VerifyError(f"{_at(r, k, instr)}: OPTIMIZER_STEP must come last")
             k += 1
         pos[r] = k
-        if k != start:  # wake waiters only on progress, or a deadlock would spin
+        if k != start and waiters[r]:  # wake waiters only on progress, or a deadlock would spin
             ready |= waiters[r]
             waiters[r].clear()
     stuck = [r for r in range(n) if pos[r] < len(programs[r])]
@@ -374,13 +380,13 @@ def check_memory(
         Op.LOAD: stash_size, Op.ACCEPT: stash_size,
     }
     limit = None if memory_limit is None else memory_limit + 1e-9
+    counted = stash_of.keys().__contains__
     for r, prog in enumerate(compiled.programs):
         stash: dict[tuple[int, int], float] = {}
         live = peak = 0.0
-        for pos, instr in enumerate(prog):
-            new = stash_of.get(instr.op)
-            if new is None:
-                continue
+        # Messages (most instructions) leave stashes alone: they are filtered out in C.
+        for pos, instr in compress(enumerate(prog), map(counted, map(_op_of, prog))):
+            new = stash_of[instr.op]
             key = (instr.stage, instr.mb)
             live += new - stash.get(key, 0.0)
             stash[key] = new
