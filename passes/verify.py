@@ -215,9 +215,10 @@ def _message_peer_error(instr: Instr, rank: int, compiled: Compiled) -> str | No
 def check_execution(compiled: Compiled) -> None:
     """Invariants 2 and 3: run every program with blocking point-to-point semantics.
 
-    The loop runs once per instruction of 10^5-10^6: well-formed sends and receives take an
-    inline path (tuples, no Instr built); anything else goes through `_message`, which also
-    words every error.
+    A rank runs until a message whose counterpart its peer has not reached; the peer, on
+    reaching it, completes the pair (checking both halves) and resumes the rank. The loop runs
+    once per instruction of 10^5-10^6: well-formed sends and receives take an inline path
+    (tuples, no Instr built); anything else goes through `_message`, which also words errors.
     """
     layout, programs = compiled.layout, compiled.programs
     recompute = uses_recompute(programs)
@@ -226,7 +227,6 @@ def check_execution(compiled: Compiled) -> None:
     n = len(programs)
     available: list[set] = [set() for _ in range(n)]  # nodes computed here or received here
     pos = [0] * n
-    waiters: list[set[int]] = [set() for _ in range(n)]  # ranks blocked on each rank's progress
     ready = set(range(n))
     p2p = _p2p_table(layout)
     mixed = fused_backwards(programs)  # None unless fused and split backwards mix
@@ -236,7 +236,7 @@ def check_execution(compiled: Compiled) -> None:
     while ready:
         r = ready.pop()
         prog, avail = programs[r], available[r]
-        k = start = pos[r]
+        k = pos[r]
         end = len(prog)
         while k < end:
             instr = prog[k]
@@ -266,36 +266,32 @@ def check_execution(compiled: Compiled) -> None:
                     if qk < len(qprog):
                         x = qprog[qk]
                         matched = x.op is counter_op and x.stage == near and x.mb == mb and x.peer == r
+                        if matched and not sends and payload not in available[q]:
+                            raise VerifyError(f"{_at(q, qk, x)}: sends what is not computed yet")
                     else:
                         matched = False
                 else:
                     pos[r] = k
-                    if op is Op.ALLREDUCE_GRADS:
-                        other, delivery = _sync_rendezvous(r, k, instr, layout, available, fused)
-                    else:
-                        other, delivery = _message(r, k, instr, compiled, available, fused)
+                    check = _sync_rendezvous if op is Op.ALLREDUCE_GRADS else _message
+                    other, delivery = check(r, k, instr, compiled, available, fused)
                     qprog, qk = programs[q], pos[q]
                     matched = qk < len(qprog) and qprog[qk] == other
+                    if matched:  # the peer's side gets the same checks, whoever arrives first
+                        check = _sync_rendezvous if op is Op.ALLREDUCE_GRADS else _message
+                        check(q, qk, other, compiled, available, fused)
                 if not matched:
-                    waiters[q].add(r)  # blocked until the peer reaches the counterpart
-                    break
+                    break  # blocked: the peer resumes this rank when it reaches the counterpart
                 if delivery:
                     available[delivery[0]].add(delivery[1])
                 pos[r] = k
                 pos[q] += 1
                 k = pos[r]
-                ready.add(q)
-                if waiters[q]:  # the peer moved: whoever waits on it may go on
-                    ready |= waiters[q]
-                    waiters[q].clear()
+                ready.add(q)  # the peer was blocked here (or gets here next): it goes on
             elif op is Op.OPTIMIZER_STEP:
                 if k != end - 1:
                     raise VerifyError(f"{_at(r, k, instr)}: OPTIMIZER_STEP must come last")
             k += 1
         pos[r] = k
-        if k != start and waiters[r]:  # wake waiters only on progress, or a deadlock would spin
-            ready |= waiters[r]
-            waiters[r].clear()
     stuck = [r for r in range(n) if pos[r] < len(programs[r])]
     if stuck:
         where = "; ".join(f"{_at(r, pos[r], programs[r][pos[r]])} waits" for r in stuck[:4])
@@ -346,9 +342,10 @@ def _message(
 
 
 def _sync_rendezvous(
-    r: int, pos: int, instr: Instr, layout: Layout, available: list[set], fused: frozenset
+    r: int, pos: int, instr: Instr, compiled: Compiled, available: list[set], fused: frozenset
 ) -> tuple[Instr, None]:
     """A replica all-reduce: the peer's counterpart, once this side's gradients are final."""
+    layout = compiled.layout
     bad = replicas.sync_error(layout, instr, r)
     if bad:
         raise VerifyError(f"{_at(r, pos, instr)}: {bad}")

@@ -43,3 +43,17 @@ def test_op_kinds_follows_mutable_programs_and_keeps_tuples():
     frozen = tuple(tuple(prog) for prog in programs)
     assert op_kinds(frozen) is op_kinds(frozen)
     assert op_kinds(frozen) == {Op.F, Op.BW, Op.RECOMPUTE}
+
+
+def test_a_send_before_its_producer_is_caught():
+    from dataclasses import replace
+
+    from passes.verify import VerifyError, check_execution
+
+    compiled = run("1f1b", 2, 2).compiled
+    first = compiled.programs[0]
+    send = next(i for i in first if i.op is Op.SEND_ACT)
+    moved = (send,) + tuple(i for i in first if i is not send)  # rank 0 sends before its F
+    broken = replace(compiled, programs=(moved, *compiled.programs[1:]))
+    with pytest.raises(VerifyError, match=r"rank 0, instruction 0 \(SEND_ACT s=0 mb=0 to=1\): sends what"):
+        check_execution(broken)
