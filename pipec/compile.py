@@ -40,18 +40,12 @@ class CompileResult:
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector: compiling builds 10^5-10^6 acyclic tuples, and
-    the collector's repeated scans of them made compile time grow faster than p·m.
-
-    On the way out the survivors are frozen (`gc.freeze`): refcounting still frees them, but
-    the collections that would follow no longer scan them all (about a second at p=64,
-    m=1024, paid by whatever ran next).
-    """
+    the collector's repeated scans of them made compile time grow faster than p·m."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
         if was_enabled:
             gc.enable()
 
