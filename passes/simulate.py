@@ -163,9 +163,11 @@ def play(
     msg = [[costs.transfer_time(a, b, size) for b in range(layout.p)] for a in range(layout.p)]
     moves = transfers if transfers is not None else Transfers(layout, costs, recompute)
     # Per op kind, each stage's duration; per rank, each producer stage's message delay to it.
-    durations = {op: [costs.duration(Instr(op, st), layout) for st in range(layout.n_stages)]
-                 for op in COMPUTE_OPS}
-    delay = [[msg[rank_of[st]][r] for st in range(layout.n_stages)] for r in range(len(compute))]
+    stages = range(layout.n_stages)
+    durations = {op: [costs.duration(Instr(op, st), layout) for st in stages] for op in COMPUTE_OPS}
+    delay = [
+        [msg[rank_of[st]][r] for st in stages] if r < layout.p else () for r in range(len(compute))
+    ]
     memo = dependency_memo(layout, recompute, fused)  # read inline: this loop is the hot path
     memory_ops = MEMORY_OPS
     while ready:

@@ -265,7 +265,9 @@ def check_execution(compiled: Compiled) -> None:
                     qprog, qk = programs[q], pos[q]
                     if qk < len(qprog):
                         x = qprog[qk]
-                        matched = x.op is counter_op and x.stage == near and x.mb == mb and x.peer == r
+                        matched = (
+                            x.op is counter_op and x.stage == near and x.mb == mb and x.peer == r
+                        )
                         if matched and not sends and payload not in available[q]:
                             raise VerifyError(f"{_at(q, qk, x)}: sends what is not computed yet")
                     else:
@@ -301,7 +303,9 @@ def check_execution(compiled: Compiled) -> None:
             raise VerifyError(f"rank {r}: the program must end with OPTIMIZER_STEP")
 
 
-def _missing_input(r: int, pos: int, instr: Instr, dep: tuple, rank_of: Sequence[int]) -> VerifyError:
+def _missing_input(
+    r: int, pos: int, instr: Instr, dep: tuple, rank_of: Sequence[int]
+) -> VerifyError:
     what = "computed" if rank_of[dep[1]] == r else f"received from rank {rank_of[dep[1]]}"
     return VerifyError(
         f"{_at(r, pos, instr)}: needs {dep[0].value} s={dep[1]} mb={dep[2]}, not {what} before"
@@ -373,8 +377,12 @@ def check_memory(
         Op.F: (costs.mem_input if recompute else costs.mem_F) * share,
         Op.RECOMPUTE: costs.mem_F * share,
         Op.B: -costs.mem_W * share,  # what W still needs after the input gradient
-        Op.W: 0.0, Op.BW: 0.0, Op.EVICT: 0.0, Op.RETURN: 0.0,
-        Op.LOAD: stash_size, Op.ACCEPT: stash_size,
+        Op.W: 0.0,
+        Op.BW: 0.0,
+        Op.EVICT: 0.0,
+        Op.RETURN: 0.0,
+        Op.LOAD: stash_size,
+        Op.ACCEPT: stash_size,
     }
     limit = None if memory_limit is None else memory_limit + 1e-9
     counted = stash_of.keys().__contains__
@@ -387,8 +395,7 @@ def check_memory(
             key = (instr.stage, instr.mb)
             live += new - stash.get(key, 0.0)
             stash[key] = new
-            if live > peak:
-                peak = live
+            peak = max(peak, live)
             if limit is not None and live > limit:
                 raise VerifyError(
                     f"{_at(r, pos, instr)}: {live:g} stashes live, over the limit {memory_limit:g}"

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-import codegen.render as render
+from codegen import render
 from codegen.render import chrome_trace, render_svg, trace_json
 from pipec.ir import Instr, Op, op_kinds
 from tests.helpers import run
@@ -55,5 +55,7 @@ def test_a_send_before_its_producer_is_caught():
     send = next(i for i in first if i.op is Op.SEND_ACT)
     moved = (send,) + tuple(i for i in first if i is not send)  # rank 0 sends before its F
     broken = replace(compiled, programs=(moved, *compiled.programs[1:]))
-    with pytest.raises(VerifyError, match=r"rank 0, instruction 0 \(SEND_ACT s=0 mb=0 to=1\): sends what"):
+    with pytest.raises(
+        VerifyError, match=r"rank 0, instruction 0 \(SEND_ACT s=0 mb=0 to=1\): sends what"
+    ):
         check_execution(broken)
