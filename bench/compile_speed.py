@@ -1,15 +1,19 @@
 """Compile time as p and m grow: schedule -> lowered, simulated, verified programs on disk.
 
-    python bench/compile_speed.py [--schedule 1f1b] [--repeat 3]
+    python bench/compile_speed.py [--schedule 1f1b] [--repeat 3] [--check]
 
 Prints the median wall time of `compile_schedule` + `emit` (every output file written) per
-(p, m), and the time per compute op, whose flatness shows growth linear in p·m.
+(p, m), and the time per compute op, whose flatness shows growth linear in p·m. With
+`--check`, exits 1 unless the largest shape (p=64, m=1024) takes at most `--target` seconds
+in all (issue 2's target: 2 s for 1f1b on a quiet 2-core machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,12 +29,14 @@ def measure(schedule: str, p: int, m: int, repeat: int) -> tuple[float, float]:
     compile_s, emit_s = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(repeat):
+            gc.collect()  # a `pipec compile` process never pays for an earlier run's garbage
             t0 = time.perf_counter()
             result = compile_schedule(schedule, p, m)
             t1 = time.perf_counter()
             emit(result, Path(tmp) / "out", force=True)
             compile_s.append(t1 - t0)
             emit_s.append(time.perf_counter() - t1)
+            del result  # freeing 10^6 objects is not the next run's compile time
     return statistics.median(compile_s), statistics.median(emit_s)
 
 
@@ -38,6 +44,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--check", action="store_true", help="exit 1 if p=64, m=1024 misses --target")
+    ap.add_argument("--target", type=float, default=2.0, help="seconds, compile + emit")
     args = ap.parse_args()
     print(f"schedule {args.schedule}, median of {args.repeat} runs")
     print(f"{'p':>4} {'m':>6} {'ops':>8} {'compile s':>10} {'emit s':>8} {'total s':>8} {'µs/op':>7}")
@@ -45,6 +53,10 @@ def main() -> None:
         c, e = measure(args.schedule, p, m, args.repeat)
         ops = 2 * p * m  # compute ops of a fused-backward schedule
         print(f"{p:>4} {m:>6} {ops:>8} {c:>10.3f} {e:>8.3f} {c + e:>8.3f} {1e6 * (c + e) / ops:>7.1f}")
+    if args.check:
+        verdict = "met" if c + e <= args.target else "MISSED"
+        print(f"target {args.target:g} s at p={p}, m={m}: {verdict} ({c + e:.3f} s)")
+        sys.exit(0 if c + e <= args.target else 1)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from functools import cache
 import jinja2
 
 from passes.simulate import SimResult, Slot
-from pipec.ir import Program
+from pipec.ir import Op, Program
 from pipec.textform import TITLE, Header
 
 #: Milliseconds of cost-model time per microsecond of trace time: costs are read as ms.
@@ -22,6 +22,10 @@ SVG_WIDTH = 1200.0
 ROW_HEIGHT = 22
 LEFT = 70
 MEMORY_COLUMN = 190  # right of the chart: each rank's peak, in stashes (and bytes with a model)
+#: Above this many ops the SVG is drawn per pixel column: boxes would be narrower than a pixel,
+#: and 10^5 of them (p=64, m=1024) took longer to print than the programs took to compile.
+SVG_MAX_BOXES = 20_000
+_OP_NAME = {op: op.name for op in Op}  # Enum's .name is a slow descriptor; 10^5 slots print
 
 
 @cache
@@ -37,9 +41,8 @@ def _env() -> jinja2.Environment:
 
 def render_program(header: Header, program: Program) -> str:
     """The `.pipe` text of one rank: title, header, one instruction per line."""
-    return _env().get_template("rank.pipe.j2").render(
-        title=TITLE, header=str(header), program=program
-    )
+    body = "\n".join(map(str, program)) + "\n" if program else ""  # one join, not a loop
+    return _env().get_template("rank.pipe.j2").render(title=TITLE, header=str(header), body=body)
 
 
 def dump_json(data: object) -> str:
@@ -87,37 +90,111 @@ def chrome_trace(
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def trace_json(timeline: Sequence[Sequence[Slot]], title: str) -> str:
+    """`json.dumps(chrome_trace(timeline, title))`, byte for byte, printed event by event:
+    a compile's timeline holds 10^5 slots, and a dict per slot made up half of emit's time."""
+    meta = chrome_trace([() for _ in timeline], title)["traceEvents"]  # names, no slots
+    parts = [json.dumps(meta[0])]
+    for rank, slots in enumerate(timeline):
+        parts.append(json.dumps(meta[rank + 1]))
+        parts.extend(
+            f'{{"name": "{i}", "cat": "{_OP_NAME[i.op]}", "ph": "X", "pid": 0, "tid": {rank}, '
+            f'"ts": {round(a * TRACE_US_PER_UNIT, 3)!r}, '
+            f'"dur": {round((b - a) * TRACE_US_PER_UNIT, 3)!r}, '
+            f'"args": {{"stage": {_json_int(i.stage)}, "mb": {_json_int(i.mb)}}}}}'
+            for i, a, b in slots
+        )
+    return f'{{"traceEvents": [{", ".join(parts)}], "displayTimeUnit": "ms"}}'
+
+
+def _json_int(value: int | None) -> str:
+    return "null" if value is None else str(value)
+
+
 def render_svg(sim: SimResult, title: str) -> str:
-    """A Gantt chart: ranks down, time across, F/B/W colours, micro-batch labels."""
+    """A Gantt chart: ranks down, time across, F/B/W colours, micro-batch labels.
+
+    Above SVG_MAX_BOXES ops the chart is drawn per pixel column (see `_pixel_boxes`).
+    """
     scale = (SVG_WIDTH - LEFT - 10) / sim.makespan if sim.makespan > 0 else 1.0
     top, h = 24, ROW_HEIGHT - 4
-    boxes = []  # one preformatted line per op: 10^5 boxes must print in well under a second
+    n_ops = sum(len(slots) for slots in sim.timeline)
+    per_pixel = n_ops > SVG_MAX_BOXES
+    if per_pixel:
+        title += f" ({n_ops} ops, drawn per pixel column: its busiest op kind; timeline.json has each op)"
+    boxes = []
     for rank, slots in enumerate(sim.timeline):
         y = top + rank * ROW_HEIGHT
-        for slot in slots:
-            w = (slot.end - slot.start) * scale
-            x = LEFT + slot.start * scale
-            box = (
-                f'<rect class="{slot.instr.op.name}" x="{x:.2f}" y="{y}" width="{w:.2f}" '
-                f'height="{h}"><title>{slot.instr} [{slot.start:g}, {slot.end:g})</title></rect>'
-            )
-            label = str(slot.instr.mb)
-            if w >= 7 * len(label) + 2:
-                box += f'<text class="l" x="{x + w / 2:.2f}" y="{y + h // 2 + 4}">{label}</text>'
-            boxes.append(box)
+        boxes += (_pixel_boxes if per_pixel else _op_boxes)(slots, y, h, scale)
     rows = [(f"rank {r}", top + r * ROW_HEIGHT + h // 2 + 4) for r in range(len(sim.timeline))]
     peaks = [
         f"peak {r.peak_activations:.4g} stashes"
         + ("" if r.peak_stash_bytes is None else f" = {format_bytes(r.peak_stash_bytes)}")
         for r in sim.ranks
     ]
-    kinds = sorted({s.instr.op.name for slots in sim.timeline for s in slots})
+    kinds = sorted({_OP_NAME[s.instr.op] for slots in sim.timeline for s in slots})
     height = top + len(sim.timeline) * ROW_HEIGHT + 22
     return _env().get_template("schedule.svg.j2").render(
         width=int(SVG_WIDTH) + MEMORY_COLUMN, height=height, title=title, rows=rows, boxes=boxes,
         legend=[(k, LEFT + 60 * i) for i, k in enumerate(kinds)],
         memory=[(text, y) for text, (_, y) in zip(peaks, rows)], memory_x=int(SVG_WIDTH) + 4,
     )
+
+
+def _op_boxes(slots: Sequence[Slot], y: int, h: int, scale: float) -> list[str]:
+    """One box per op, with its instruction and times as a tooltip and its micro-batch label."""
+    boxes = []  # one preformatted line per op
+    text_y, tail = y + h // 2 + 4, f'" y="{y}" width="'
+    for instr, start, end in slots:
+        w = (end - start) * scale
+        x = LEFT + start * scale
+        box = (
+            f'<rect class="{_OP_NAME[instr.op]}" x="{x:.2f}{tail}{w:.2f}" '
+            f'height="{h}"><title>{instr} [{start:g}, {end:g})</title></rect>'
+        )
+        label = str(instr.mb)
+        if w >= 7 * len(label) + 2:
+            box += f'<text class="l" x="{x + w / 2:.2f}" y="{text_y}">{label}</text>'
+        boxes.append(box)
+    return boxes
+
+
+def _pixel_boxes(slots: Sequence[Slot], y: int, h: int, scale: float) -> list[str]:
+    """One box per run of pixel columns in which the rank spends most time on one op kind.
+
+    Past SVG_MAX_BOXES ops, ops are narrower than a pixel (an F is 0.4 px at p=64, m=1024), so
+    this is what the chart can show; an op counts in the column of its middle, or, when wider
+    than a pixel, in every column it covers.
+    """
+    busy: dict[tuple[int, str], float] = {}
+    for instr, start, end in slots:
+        x0, w, kind = start * scale, (end - start) * scale, _OP_NAME[instr.op]
+        if w <= 1:
+            key = (int(x0 + w / 2), kind)
+            busy[key] = busy.get(key, 0.0) + w
+            continue
+        for c in range(int(x0), int(x0 + w) + 1):
+            busy[c, kind] = busy.get((c, kind), 0.0) + w
+    best: dict[int, tuple[float, str]] = {}
+    for (c, kind), t in sorted(busy.items()):
+        best[c] = max(best.get(c, (0.0, "")), (t, kind))
+    boxes, run = [], None  # run: [first column, last column, kind]
+    for c in sorted(best):
+        kind = best[c][1]
+        if run is not None and run[1] == c - 1 and run[2] == kind:
+            run[1] = c
+            continue
+        if run is not None:
+            boxes.append(_pixel_run(run, y, h))
+        run = [c, c, kind]
+    if run is not None:
+        boxes.append(_pixel_run(run, y, h))
+    return boxes
+
+
+def _pixel_run(run: list, y: int, h: int) -> str:
+    first, last, kind = run
+    return f'<rect class="{kind}" x="{LEFT + first}" y="{y}" width="{last - first + 1}" height="{h}"/>'
 
 
 def format_bytes(n: float) -> str:

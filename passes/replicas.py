@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from passes.costs import CostModel
-from pipec.ir import COMPUTE_OPS, Instr, Layout, Op, PipecError
+from pipec.ir import COMPUTE_OPS, Instr, Layout, Op, PipecError, op_kinds
 
 Node = tuple[Op, int, int]
 
@@ -84,7 +84,8 @@ def sync_error(layout: Layout, instr: Instr, rank: int) -> str | None:
 def coverage_error(layout: Layout, programs: Sequence[Sequence[Instr]]) -> str | None:
     """Why the programs do not all-reduce every replicated stage exactly once, if they do not."""
     seen: set[int] = set()
-    for r, prog in enumerate(programs):
+    synced = Op.ALLREDUCE_GRADS in op_kinds(programs)  # most schedules have none to walk
+    for r, prog in enumerate(programs if synced else ()):
         for pos, instr in enumerate(prog):
             if instr.op is not Op.ALLREDUCE_GRADS or instr.peer is None:  # DP's: no replica
                 continue
@@ -117,6 +118,8 @@ def sync_times(
     ranks have issued it and each rank's previous collective has finished (one communicator
     per rank runs them in turn), and takes `costs.allreduce`.
     """
+    if Op.ALLREDUCE_GRADS not in op_kinds(programs):  # most schedules
+        return [0.0] * len(programs)
     pending: list[list[tuple[Instr, float]]] = []
     for prog in programs:
         clock, mine = 0.0, []

@@ -14,9 +14,10 @@ follow `passes/transfers.py`; replica all-reduces `passes/replicas.py`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain
 from dataclasses import dataclass
+from itertools import accumulate, chain
 from operator import attrgetter
+from typing import NamedTuple
 
 from passes.costs import CostModel
 from passes.replicas import sync_times
@@ -31,14 +32,15 @@ from pipec.ir import (
     dependencies,
     dependency_memo,
     fused_backwards,
+    op_kinds,
 )
 
 Node = tuple[Op, int, int]
 
 
-@dataclass(frozen=True)
-class Slot:
-    """One compute instruction's place on the simulated timeline."""
+class Slot(NamedTuple):
+    """One compute instruction's place on the simulated timeline (a named tuple: a compile
+    makes 10^5 of them, and a frozen dataclass's __init__ is several times slower)."""
 
     instr: Instr
     start: float
@@ -110,8 +112,7 @@ def _round(x: float) -> float:
 
 def uses_recompute(programs: Sequence[Sequence[Instr]]) -> bool:
     """Whether the programs recompute forwards (which adds RECOMPUTE to the work graph)."""
-    op_of = attrgetter("op")
-    return any(Op.RECOMPUTE in map(op_of, prog) for prog in programs)  # scans in C
+    return Op.RECOMPUTE in op_kinds(programs)
 
 
 Played = tuple[dict[Node, tuple[float, float]], list[Node]]
@@ -148,8 +149,10 @@ def play(
     recompute = uses_recompute(programs)
     fused = fused_backwards(programs)
     rank_of = layout.stage_rank
-    compute = [[i for i in prog if i.op in COMPUTE_OPS or i.op in MEMORY_OPS] for prog in programs]
-    paired = [overlap_starts(prog) for prog in programs]
+    played_ops = COMPUTE_OPS | MEMORY_OPS
+    compute = [[i for i in prog if i.op in played_ops] for prog in programs]
+    overlaps = Op.OVERLAP in op_kinds(programs)
+    paired = [overlap_starts(prog) if overlaps else set() for prog in programs]
     times: dict[Node, tuple[float, float]] = {}
     done_order: list[Node] = []
     waiting: dict[object, list[int]] = {}
@@ -159,22 +162,30 @@ def play(
     size = costs.mem_input * layout.stash_share  # a stage input: what a message carries
     msg = [[costs.transfer_time(a, b, size) for b in range(layout.p)] for a in range(layout.p)]
     moves = transfers if transfers is not None else Transfers(layout, costs, recompute)
-    durations: dict[tuple[Op, int], float] = {}
+    # Per op kind, each stage's duration; per rank, each producer stage's message delay to it.
+    stages = range(layout.n_stages)
+    durations = {op: [costs.duration(Instr(op, st), layout) for st in stages] for op in COMPUTE_OPS}
+    delay = [
+        [msg[rank_of[st]][r] for st in stages] if r < layout.p else () for r in range(len(compute))
+    ]
     memo = dependency_memo(layout, recompute, fused)  # read inline: this loop is the hot path
+    memory_ops = MEMORY_OPS
     while ready:
         r = ready.pop()
         order, k, t = compute[r], pos[r], clock[r]
-        while k < len(order):
+        pairs, delay_r, end = paired[r], delay[r], len(order)
+        while k < end:
             instr = order[k]
-            if instr.op in MEMORY_OPS:
+            op = instr.op
+            if op in memory_ops:
                 ready.extend(waiting.pop(moves.reach(r, instr, t), ()))
                 k += 1
                 continue
-            node = (instr.op, instr.stage, instr.mb)
+            node = (op, instr.stage, instr.mb)
             start = t
             blocked = None
             deps = memo.get(node) or dependencies(layout, node, recompute, fused)
-            if k in paired[r]:  # the pair starts once the inputs of both ops are in
+            if pairs and k in pairs:  # the pair starts once the inputs of both ops are in
                 second = (order[k + 1].op, order[k + 1].stage, order[k + 1].mb)
                 deps = chain(deps, dependencies(layout, second, recompute, fused))
             for dep in deps:
@@ -182,26 +193,25 @@ def play(
                 if finished is None:
                     blocked = dep
                     break
-                arrive = finished[1] + msg[rank_of[dep[1]]][r]
+                arrive = finished[1] + delay_r[dep[1]]
                 if arrive > start:
                     start = arrive
-            gate = moves.gate(r, instr) if blocked is None and moves.pending else None
-            if gate is not None:
-                if gate[1] is None:
-                    blocked = gate[0]
-                else:
-                    start = max(start, gate[1])
-                    moves.consume(r, instr)
+            if blocked is None and moves.pending:
+                gate = moves.gate(r, instr)
+                if gate is not None:
+                    if gate[1] is None:
+                        blocked = gate[0]
+                    else:
+                        start = max(start, gate[1])
+                        moves.consume(r, instr)
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(r)
                 break
-            d = durations.get((instr.op, instr.stage))
-            if d is None:
-                d = durations[(instr.op, instr.stage)] = costs.duration(instr, layout)
-            t = start + d
+            t = start + durations[op][instr.stage]
             times[node] = (start, t)
             done_order.append(node)
-            ready.extend(waiting.pop(node, ()))
+            if node in waiting:
+                ready.extend(waiting.pop(node))
             k += 1
         pos[r], clock[r] = k, t
     stuck = [r for r in range(len(compute)) if pos[r] < len(compute[r])]
@@ -223,14 +233,15 @@ def activation_profile(
     With `stash_of_chunk` (one micro-batch's stash of each chunk, e.g. in bytes), a stage's
     stash weighs that instead of the uniform `layout.stash_share`.
     """
+    if stash_of_chunk is None:  # one share for every stage: a running sum, all in C
+        share = layout.stash_share
+        delta = {op: costs.mem_delta(op, recompute) * share for op in Op}
+        return list(accumulate(map(delta.__getitem__, map(attrgetter("op"), program))))
     live, out = 0.0, []
-    share = layout.stash_share
     for instr in program:
-        delta = costs.mem_delta(instr.op, recompute)
-        if delta:
-            if stash_of_chunk is not None:
-                share = stash_of_chunk[layout.stage_chunk[instr.stage]]
-            live += delta * share
+        d = costs.mem_delta(instr.op, recompute)
+        if d:
+            live += d * stash_of_chunk[layout.stage_chunk[instr.stage]]
         out.append(live)
     return out
 

@@ -19,6 +19,8 @@ in one O(n) worklist pass. A violation is a `VerifyError` naming rank, position,
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
+from operator import attrgetter
 
 from passes import replicas
 from passes.costs import CostModel
@@ -37,11 +39,15 @@ from pipec.ir import (
     Layout,
     dependency_memo,
     fused_backwards,
+    op_kinds,
 )
 
 
 #: Ops that meet a counterpart on a peer rank (a replica all-reduce only when it names one).
 MESSAGE_LIKE = SEND_OPS | RECV_OPS | MEMORY_OPS | {Op.ALLREDUCE_GRADS}
+
+
+_op_of = attrgetter("op")
 
 
 class VerifyError(PipecError):
@@ -76,30 +82,27 @@ def check_coverage(compiled: Compiled) -> None:
         raise VerifyError(f"{len(programs)} programs for a {layout.p}-rank layout")
     fused = _fused(compiled)
     extra = (Op.RECOMPUTE,) if uses_recompute(programs) else ()
+    fused_kinds, split_kinds = (Op.F, *extra, Op.BW), (Op.F, *extra, Op.B, Op.W)
     expected = {
         (k, s, i)
         for pl in layout.pipelines
         for s in pl.stages
         for i in pl.mbs
-        for k in (Op.F, *extra, *((Op.BW,) if (s, i) in fused else (Op.B, Op.W)))
+        for k in (fused_kinds if (s, i) in fused else split_kinds)
     }
     seen: set = set()
+    rank_of = layout.stage_rank
     for r, prog in enumerate(programs):
-        for pos, instr in enumerate(prog):
-            if instr.op not in COMPUTE_OPS:
-                continue
-            node = (instr.op, instr.stage, instr.mb)
-            if node not in expected:
-                why = "mixes fused BW with split B/W" if instr.op in (Op.B, Op.W, Op.BW) else ""
-                raise VerifyError(f"{_at(r, pos, instr)}: not an op of the work graph {why}".strip())
-            if node in seen:
-                raise VerifyError(f"{_at(r, pos, instr)}: appears more than once")
-            if layout.stage_rank[instr.stage] != r:
-                raise VerifyError(
-                    f"{_at(r, pos, instr)}: stage {instr.stage} is mapped to rank "
-                    f"{layout.stage_rank[instr.stage]}"
-                )
-            seen.add(node)
+        nodes = [(i.op, i.stage, i.mb) for i in prog if i.op in COMPUTE_OPS]  # set ops in C:
+        mine = set(nodes)  # the instruction-by-instruction walk runs only to word an error
+        if (
+            len(mine) != len(nodes)
+            or not mine <= expected
+            or not seen.isdisjoint(mine)
+            or any(rank_of[s] != r for s in {n[1] for n in mine})
+        ):
+            _raise_coverage_error(r, prog, expected, seen, rank_of)
+        seen |= mine
     missing = sorted(expected - seen, key=lambda n: (n[1], n[2], n[0].value))
     if missing:
         k, s, i = missing[0]
@@ -112,9 +115,32 @@ def check_coverage(compiled: Compiled) -> None:
         raise VerifyError(bad)
 
 
+def _raise_coverage_error(
+    r: int, prog: Sequence[Instr], expected: set, seen: set, rank_of: Sequence[int]
+) -> None:
+    """Raise the VerifyError for the first compute op of rank r that breaks invariant 1."""
+    seen = set(seen)
+    for pos, instr in enumerate(prog):
+        if instr.op not in COMPUTE_OPS:
+            continue
+        node = (instr.op, instr.stage, instr.mb)
+        if node not in expected:
+            why = "mixes fused BW with split B/W" if instr.op in (Op.B, Op.W, Op.BW) else ""
+            raise VerifyError(f"{_at(r, pos, instr)}: not an op of the work graph {why}".strip())
+        if node in seen:
+            raise VerifyError(f"{_at(r, pos, instr)}: appears more than once")
+        if rank_of[instr.stage] != r:
+            raise VerifyError(
+                f"{_at(r, pos, instr)}: stage {instr.stage} is mapped to rank {rank_of[instr.stage]}"
+            )
+        seen.add(node)
+
+
 def _overlap_error(programs: Sequence[Sequence[Instr]]) -> str | None:
     """Why an OVERLAP marker is not followed by a forward and then a backward, if one is not."""
     why = "must precede a forward and then a backward"
+    if Op.OVERLAP not in op_kinds(programs):  # the common case
+        return None
     for r, prog in enumerate(programs):
         marker, pair = None, []
         for pos, instr in enumerate(prog):
@@ -139,7 +165,8 @@ def _fused(compiled: Compiled) -> frozenset[tuple[int, int]]:
     mixed = fused_backwards(programs)
     if mixed is not None:
         return mixed
-    if any(i.op in (Op.B, Op.W) for prog in programs for i in prog):
+    kinds = op_kinds(programs)
+    if Op.B in kinds or Op.W in kinds:
         return frozenset()
     layout = compiled.layout
     return frozenset((s, i) for pl in layout.pipelines for s in pl.stages for i in pl.mbs)
@@ -186,7 +213,13 @@ def _message_peer_error(instr: Instr, rank: int, compiled: Compiled) -> str | No
 
 
 def check_execution(compiled: Compiled) -> None:
-    """Invariants 2 and 3: run every program with blocking point-to-point semantics."""
+    """Invariants 2 and 3: run every program with blocking point-to-point semantics.
+
+    A rank runs until a message whose counterpart its peer has not reached; the peer, on
+    reaching it, completes the pair (checking both halves) and resumes the rank. The loop runs
+    once per instruction of 10^5-10^6: well-formed sends and receives take an inline path
+    (tuples, no Instr built); anything else goes through `_message`, which also words errors.
+    """
     layout, programs = compiled.layout, compiled.programs
     recompute = uses_recompute(programs)
     rank_of = layout.stage_rank
@@ -194,53 +227,73 @@ def check_execution(compiled: Compiled) -> None:
     n = len(programs)
     available: list[set] = [set() for _ in range(n)]  # nodes computed here or received here
     pos = [0] * n
-    waiters: list[set[int]] = [set() for _ in range(n)]  # ranks blocked on each rank's progress
     ready = set(range(n))
-
+    p2p = _p2p_table(layout)
     mixed = fused_backwards(programs)  # None unless fused and split backwards mix
     memo = dependency_memo(layout, recompute, mixed)
-
-    def step_compute(r: int, instr: Instr) -> None:
-        node = (instr.op, instr.stage, instr.mb)
-        for dep in memo.get(node) or dependencies(layout, node, recompute, mixed):
-            if dep not in available[r]:
-                what = "computed" if rank_of[dep[1]] == r else f"received from rank {rank_of[dep[1]]}"
-                raise VerifyError(
-                    f"{_at(r, pos[r], instr)}: needs {dep[0].value} s={dep[1]} mb={dep[2]}, "
-                    f"not {what} before"
-                )
-        available[r].add(node)
+    compute_ops, f_op, b_op, bw_op = COMPUTE_OPS, Op.F, Op.B, Op.BW
 
     while ready:
         r = ready.pop()
-        prog = programs[r]
-        start = pos[r]
-        while pos[r] < len(prog):
-            instr = prog[pos[r]]
-            if instr.op in COMPUTE_OPS:
-                step_compute(r, instr)
-            elif instr.op in MESSAGE_LIKE and (instr.op is not Op.ALLREDUCE_GRADS or instr.peer is not None):
-                if instr.op is Op.ALLREDUCE_GRADS:
-                    other, delivery = _sync_rendezvous(r, pos[r], instr, layout, available, fused)
+        prog, avail = programs[r], available[r]
+        k = pos[r]
+        end = len(prog)
+        while k < end:
+            instr = prog[k]
+            op = instr.op
+            if op in compute_ops:
+                node = (op, instr.stage, instr.mb)
+                for dep in memo.get(node) or dependencies(layout, node, recompute, mixed):
+                    if dep not in avail:
+                        raise _missing_input(r, k, instr, dep, rank_of)
+                avail.add(node)
+            elif op in MESSAGE_LIKE and (op is not Op.ALLREDUCE_GRADS or instr.peer is not None):
+                s, mb, q = instr.stage, instr.mb, instr.peer
+                entry = p2p.get(op)
+                near = None if entry is None or mb is None or s is None else entry[1].get(s)
+                if near is not None and rank_of[near] == q:  # a well-formed send or receive
+                    counter_op, _, sends, act = entry
+                    sender = s if sends else near
+                    if act:
+                        payload = (f_op, sender, mb)
+                    else:
+                        payload = (bw_op if (sender, mb) in fused else b_op, sender, mb)
+                    if sends and payload not in avail:
+                        pos[r] = k
+                        _message(r, k, instr, compiled, available, fused)  # raises
+                    delivery = (q if sends else r, payload)
+                    qprog, qk = programs[q], pos[q]
+                    if qk < len(qprog):
+                        x = qprog[qk]
+                        matched = (
+                            x.op is counter_op and x.stage == near and x.mb == mb and x.peer == r
+                        )
+                        if matched and not sends and payload not in available[q]:
+                            raise VerifyError(f"{_at(q, qk, x)}: sends what is not computed yet")
+                    else:
+                        matched = False
                 else:
-                    other, delivery = _message(r, pos[r], instr, compiled, available, fused)
-                q = instr.peer
-                if pos[q] >= len(programs[q]) or programs[q][pos[q]] != other:
-                    waiters[q].add(r)  # blocked until the peer reaches the counterpart
-                    break
+                    pos[r] = k
+                    check = _sync_rendezvous if op is Op.ALLREDUCE_GRADS else _message
+                    other, delivery = check(r, k, instr, compiled, available, fused)
+                    qprog, qk = programs[q], pos[q]
+                    matched = qk < len(qprog) and qprog[qk] == other
+                    if matched:  # the peer's side gets the same checks, whoever arrives first
+                        check = _sync_rendezvous if op is Op.ALLREDUCE_GRADS else _message
+                        check(q, qk, other, compiled, available, fused)
+                if not matched:
+                    break  # blocked: the peer resumes this rank when it reaches the counterpart
                 if delivery:
                     available[delivery[0]].add(delivery[1])
+                pos[r] = k
                 pos[q] += 1
-                ready.add(q)
-                ready |= waiters[q]  # the peer moved: whoever waits on it may go on
-                waiters[q].clear()
-            elif instr.op is Op.OPTIMIZER_STEP:
-                if pos[r] != len(prog) - 1:
-                    raise VerifyError(f"{_at(r, pos[r], instr)}: OPTIMIZER_STEP must come last")
-            pos[r] += 1
-        if pos[r] != start:  # wake waiters only on progress, or a deadlock would spin
-            ready |= waiters[r]
-            waiters[r].clear()
+                k = pos[r]
+                ready.add(q)  # the peer was blocked here (or gets here next): it goes on
+            elif op is Op.OPTIMIZER_STEP:
+                if k != end - 1:
+                    raise VerifyError(f"{_at(r, k, instr)}: OPTIMIZER_STEP must come last")
+            k += 1
+        pos[r] = k
     stuck = [r for r in range(n) if pos[r] < len(programs[r])]
     if stuck:
         where = "; ".join(f"{_at(r, pos[r], programs[r][pos[r]])} waits" for r in stuck[:4])
@@ -248,6 +301,29 @@ def check_execution(compiled: Compiled) -> None:
     for r, prog in enumerate(programs):
         if not prog or prog[-1].op is not Op.OPTIMIZER_STEP:
             raise VerifyError(f"rank {r}: the program must end with OPTIMIZER_STEP")
+
+
+def _missing_input(
+    r: int, pos: int, instr: Instr, dep: tuple, rank_of: Sequence[int]
+) -> VerifyError:
+    what = "computed" if rank_of[dep[1]] == r else f"received from rank {rank_of[dep[1]]}"
+    return VerifyError(
+        f"{_at(r, pos, instr)}: needs {dep[0].value} s={dep[1]} mb={dep[2]}, not {what} before"
+    )
+
+
+def _p2p_table(layout: Layout) -> dict[Op, tuple[Op, dict[int, int], bool, bool]]:
+    """Per send/receive op: the peer's op, stage -> the peer's stage, whether this end sends,
+    and whether the message is an activation (else a gradient)."""
+    stages = range(layout.n_stages)
+    nxt = {s: t for s in stages if (t := layout.next_stage(s)) is not None}
+    prv = {s: t for s in stages if (t := layout.prev_stage(s)) is not None}
+    return {
+        Op.SEND_ACT: (Op.RECV_ACT, nxt, True, True),
+        Op.RECV_ACT: (Op.SEND_ACT, prv, False, True),
+        Op.SEND_GRAD: (Op.RECV_GRAD, prv, True, False),
+        Op.RECV_GRAD: (Op.SEND_GRAD, nxt, False, False),
+    }
 
 
 def _message(
@@ -270,9 +346,10 @@ def _message(
 
 
 def _sync_rendezvous(
-    r: int, pos: int, instr: Instr, layout: Layout, available: list[set], fused: frozenset
+    r: int, pos: int, instr: Instr, compiled: Compiled, available: list[set], fused: frozenset
 ) -> tuple[Instr, None]:
     """A replica all-reduce: the peer's counterpart, once this side's gradients are final."""
+    layout = compiled.layout
     bad = replicas.sync_error(layout, instr, r)
     if bad:
         raise VerifyError(f"{_at(r, pos, instr)}: {bad}")
@@ -295,27 +372,31 @@ def check_memory(
     layout = compiled.layout
     recompute = uses_recompute(compiled.programs)
     share = layout.stash_share
+    stash_size = costs.stash_size(recompute) * share  # LOAD, ACCEPT: the stash as F left it
+    stash_of = {  # what each op leaves of its (stage, mb)'s stash; other ops leave it alone
+        Op.F: (costs.mem_input if recompute else costs.mem_F) * share,
+        Op.RECOMPUTE: costs.mem_F * share,
+        Op.B: -costs.mem_W * share,  # what W still needs after the input gradient
+        Op.W: 0.0,
+        Op.BW: 0.0,
+        Op.EVICT: 0.0,
+        Op.RETURN: 0.0,
+        Op.LOAD: stash_size,
+        Op.ACCEPT: stash_size,
+    }
+    limit = None if memory_limit is None else memory_limit + 1e-9
+    counted = stash_of.keys().__contains__
     for r, prog in enumerate(compiled.programs):
         stash: dict[tuple[int, int], float] = {}
         live = peak = 0.0
-        for pos, instr in enumerate(prog):
+        # Messages (most instructions) leave stashes alone: they are filtered out in C.
+        for pos, instr in compress(enumerate(prog), map(counted, map(_op_of, prog))):
+            new = stash_of[instr.op]
             key = (instr.stage, instr.mb)
-            if instr.op is Op.F:
-                new = (costs.mem_input if recompute else costs.mem_F) * share
-            elif instr.op is Op.RECOMPUTE:
-                new = costs.mem_F * share
-            elif instr.op is Op.B:
-                new = -costs.mem_W * share  # what W still needs after the input gradient
-            elif instr.op in (Op.W, Op.BW, Op.EVICT, Op.RETURN):
-                new = 0.0
-            elif instr.op in (Op.LOAD, Op.ACCEPT):  # the stash as F left it, here again
-                new = costs.stash_size(recompute) * share
-            else:
-                continue
             live += new - stash.get(key, 0.0)
             stash[key] = new
             peak = max(peak, live)
-            if memory_limit is not None and live > memory_limit + 1e-9:
+            if limit is not None and live > limit:
                 raise VerifyError(
                     f"{_at(r, pos, instr)}: {live:g} stashes live, over the limit {memory_limit:g}"
                 )

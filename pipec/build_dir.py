@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from codegen.render import chrome_trace, dump_json, render_launch, render_program, render_svg
+from codegen.render import dump_json, render_launch, render_program, render_svg, trace_json
 from passes.costs import CostModel
 from pipec.compile import PLAN_FORMAT, CompileResult, gc_paused, plan_hash
 from pipec.ir import FORMAT_VERSION, Compiled, Layout, PipecError
@@ -47,8 +47,7 @@ def render_files(result: CompileResult) -> dict[str, str]:
     stats |= result.sim.to_json()
     files["plan.json"] = result.plan_text
     files["stats.json"] = dump_json(stats)
-    # Event dicts are built in a fixed key order, so plain dumps is deterministic (and fast).
-    files["timeline.json"] = json.dumps(chrome_trace(result.sim.timeline, title(result)))
+    files["timeline.json"] = trace_json(result.sim.timeline, title(result))
     files["schedule.svg"] = render_svg(result.sim, title(result))
     model = result.plan["model"]
     if model is not None:  # only a build with a model can train

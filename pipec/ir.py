@@ -11,6 +11,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from operator import attrgetter
 
 import networkx as nx
 
@@ -80,6 +81,7 @@ MEMORY_OPS = frozenset({Op.EVICT, Op.LOAD, Op.ACCEPT, Op.RETURN})
 #: Ops whose peer field is the destination (printed `to=`); the others print `from=`.
 TO_PEER_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.EVICT, Op.RETURN, Op.ALLREDUCE_GRADS})
 _OP_NAME = {op: op.value for op in Op}  # Enum's .value is a slow descriptor on hot paths
+_PEER_KEY = {op: " to=" if op in TO_PEER_OPS else " from=" for op in Op}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +93,22 @@ class Instr:
     mb: int | None = None
     peer: int | None = None
 
+    def __init__(
+        self, op: Op, stage: int | None = None, mb: int | None = None, peer: int | None = None
+    ) -> None:
+        # Written out (dataclass keeps it): the generated frozen __init__ goes through
+        # object.__setattr__, twice as slow, and a compile makes 10^5-10^6 instructions.
+        _set_op(self, op)
+        _set_stage(self, stage)
+        _set_mb(self, mb)
+        _set_peer(self, peer)
+
     def __str__(self) -> str:
+        stage, mb, peer = self.stage, self.mb, self.peer
+        if stage is not None and mb is not None:  # nearly every instruction: one format
+            if peer is None:
+                return f"{_OP_NAME[self.op]} s={stage} mb={mb}"
+            return f"{_OP_NAME[self.op]} s={stage} mb={mb}{_PEER_KEY[self.op]}{peer}"
         text = _OP_NAME[self.op]
         if self.stage is not None:
             text += f" s={self.stage}"
@@ -101,6 +118,10 @@ class Instr:
             text += f" {'to' if self.op in TO_PEER_OPS else 'from'}={self.peer}"
         return text
 
+
+_set_op, _set_stage, _set_mb, _set_peer = (
+    Instr.__dict__[field].__set__ for field in ("op", "stage", "mb", "peer")
+)  # the slots' own setters: they skip the frozen class's __setattr__
 
 Program = tuple[Instr, ...]
 """One rank's instructions, in the order the runtime executes them."""
@@ -247,16 +268,39 @@ class Compiled:
         return len(self.programs)
 
 
+_KINDS_SEEN: dict[int, tuple[object, frozenset[Op]]] = {}
+
+
+def op_kinds(programs: Sequence[Sequence[Instr]]) -> frozenset[Op]:
+    """Every op the programs use.
+
+    Each pass asks this (recompute? fused backwards?) of the same 10^5-10^6 instructions, so
+    the answer for a tuple of tuples, which cannot change, is kept for the last few asked,
+    looked up by identity (the kept reference keeps the identity from being reused).
+    """
+    frozen = type(programs) is tuple and all(type(prog) is tuple for prog in programs)
+    seen = _KINDS_SEEN.get(id(programs)) if frozen else None
+    if seen is not None and seen[0] is programs:
+        return seen[1]
+    op_of = attrgetter("op")
+    kinds = frozenset().union(*(set(map(op_of, prog)) for prog in programs))  # scans in C
+    if frozen:
+        if len(_KINDS_SEEN) >= 4:
+            _KINDS_SEEN.clear()
+        _KINDS_SEEN[id(programs)] = (programs, kinds)
+    return kinds
+
+
 def fused_backwards(programs: Sequence[Sequence[Instr]]) -> frozenset[tuple[int, int]] | None:
     """(stage, mb) of every fused BW when the programs split other backwards into B and W.
 
     DualPipe mixes them: a full backward is one BW, a zero-bubble one is B then W. None when
     every backward has the same form, the common case.
     """
-    fused = frozenset((i.stage, i.mb) for prog in programs for i in prog if i.op is Op.BW)
-    if fused and any(i.op is Op.B for prog in programs for i in prog):
-        return fused
-    return None
+    kinds = op_kinds(programs)
+    if Op.BW not in kinds or Op.B not in kinds:
+        return None
+    return frozenset((i.stage, i.mb) for prog in programs for i in prog if i.op is Op.BW)
 
 
 def dependencies(
