@@ -41,6 +41,9 @@ class GPTConfig:
 
 
 TINY = GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_heads=4, n_layers=8)
+# ~16x tiny's FLOPs per micro-batch: big enough that compute, not Python, dominates a step on a
+# CPU core, small enough for a benchmark of many steps (bench/compare_torch.py).
+SMALL = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=8, micro_batch=4)
 
 # GPT-3 96B as evaluated by BPipe (Kim et al., ICML 2023) and its re-evaluation (Huang et al.,
 # 2024). We could not consult the papers' configuration tables offline, so the shape is chosen
@@ -138,6 +141,11 @@ def make_spec(cfg: GPTConfig, device: str = "cpu") -> ModelSpec:
 def tiny() -> ModelSpec:
     """8 layers, d=64: trains on a CPU in seconds."""
     return make_spec(TINY)
+
+
+def small() -> ModelSpec:
+    """8 layers, d=128, micro-batch 4x64: a CPU-sized model whose steps are compute-bound."""
+    return make_spec(SMALL)
 
 
 def tiny_tied() -> ModelSpec:
