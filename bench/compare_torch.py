@@ -5,7 +5,8 @@ both have (1F1B, Interleaved1F1B, ZBV, DualPipeV), pipec compiles *torch's own o
 model, so both runtimes execute the same order over the same stage modules, micro-batches,
 ranks and optimizer; `bench/torch_peer.py` runs them in one torchrun launch, steps alternating
 pipec / torch (A B A B), and this script prints the median iteration time of each, the median
-of the per-pair ratios pipec/torch with its interquartile spread, the first step's losses
+of the per-pair ratios pipec/torch with its interquartile spread, the CPU time of an iteration
+(all ranks, all threads), the first step's losses
 (equal when both compute the same thing) and each rank's peak saved-activation bytes.
 pipec's own v-half and zb-auto then run under pipec's runtime against torch's fastest.
 
@@ -65,20 +66,21 @@ def compile_cases(models: list[str], p: int, m: int, out: Path) -> list[dict]:
 def print_table(results: list[dict], p: int, m: int) -> None:
     print(f"\n{p} ranks, m={m}, gloo, {os.cpu_count()} cores; ratio = median of per-pair pipec/torch")
     print(
-        "| model | schedule | pipec ms | torch ms | ratio (IQR) | first loss pipec / torch |"
-        " peak saved MiB per rank pipec / torch |"
+        "| model | schedule | pipec ms | torch ms | ratio (IQR) | CPU ms pipec / torch |"
+        " first loss pipec / torch | peak saved MiB per rank pipec / torch |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     mib = 2.0**20
     best: dict[str, float] = {}
     for r in results:
         a = statistics.median(r["pipec_ms"])
+        cpu_a = statistics.median(r["pipec_cpu_ms"])
         peaks_a = ", ".join(f"{x / mib:.2f}" for x in r["pipec_peak_bytes"])
         if not r["torch"]:
             ref = best[r["model"]]
             print(
                 f"| {r['model']} | pipec {r['label']} | {a:.1f} | best {ref:.1f} | {a / ref:.2f} |"
-                f" {r['first_loss'][0]:.4f} / - | {peaks_a} / - |"
+                f" {cpu_a:.0f} / - | {r['first_loss'][0]:.4f} / - | {peaks_a} / - |"
             )
             continue
         b = statistics.median(r["torch_ms"])
@@ -89,7 +91,8 @@ def print_table(results: list[dict], p: int, m: int) -> None:
         loss_a, loss_b = r["first_loss"]
         print(
             f"| {r['model']} | {r['label']} | {a:.1f} | {b:.1f} | "
-            f"{statistics.median(ratios):.2f} ({lo:.2f}-{hi:.2f}) | {loss_a:.4f} / {loss_b:.4f} |"
+            f"{statistics.median(ratios):.2f} ({lo:.2f}-{hi:.2f}) | "
+            f"{cpu_a:.0f} / {statistics.median(r['torch_cpu_ms']):.0f} | {loss_a:.4f} / {loss_b:.4f} |"
             f" {peaks_a} / {peaks_b} |"
         )
 

@@ -7,7 +7,8 @@ whose order that build holds. Both runtimes get the same stage modules (`build_s
 build's plan: same partition, same seed), the same micro-batches (`runtime.data`), AdamW with
 the same learning rate and the same torch threads, inside one process group. Steps alternate,
 pipec then torch, each after a barrier; an iteration is one step including the optimizer step,
-timed on every rank and taken as the slowest rank's. Memory is each runtime's peak of live
+timed on every rank and taken as the slowest rank's; its CPU time (every thread, summed over
+ranks) is the work it did, which load on the machine disturbs less than wall time. Memory is each runtime's peak of live
 saved activations (each storage once, parameters excluded): pipec's own meter (stash plus
 W-pending bytes) and, for torch, the same count taken by saved-tensor hooks in the warm-up
 steps only, so that the hooks' cost stays out of torch's timed steps.
@@ -125,17 +126,21 @@ class TorchRun:
         return float(sum(x.item() for x in self.losses) / len(self.losses)) if self.losses else 0.0
 
 
-def _timed(step: Callable[[], None]) -> float:
+def _timed(step: Callable[[], None]) -> tuple[float, float]:
+    """Wall and CPU seconds (this process, every thread: gloo's too) of one step."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     step()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
-def _slowest(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+def _across_ranks(wall: list[float], cpu: list[float]) -> list[float]:
+    """The slowest rank's wall times, then the CPU times summed over ranks."""
+    t = torch.tensor(wall, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    c = torch.tensor(cpu, dtype=torch.float64)
+    dist.all_reduce(c)
+    return t.tolist() + c.tolist()
 
 
 def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int) -> dict:
@@ -157,12 +162,12 @@ def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int) -> dic
         if k == 0:  # both start from the same weights: the first step's loss must agree
             first_loss = [sum(rt.losses.values()) / max(len(rt.losses), 1), peer.loss() if peer else 0.0]
         rt.losses.clear()
-    times: list[list[float]] = []
+    times: list[list[float]] = []  # per pair: wall pipec, wall torch, CPU pipec, CPU torch
     for _ in range(pairs):
-        a = _timed(pipec_step)
+        a, a_cpu = _timed(pipec_step)
         rt.losses.clear()
-        b = _timed(lambda: peer.step(metered=False)) if peer else 0.0
-        times.append(_slowest([a, b]))
+        b, b_cpu = _timed(lambda: peer.step(metered=False)) if peer else (0.0, 0.0)
+        times.append(_across_ranks([a, b], [a_cpu, b_cpu]))
     watchdog.stop()
     losses = torch.tensor(first_loss, dtype=torch.float64)
     dist.all_reduce(losses)  # one rank holds the last stage's losses (V: rank 0)
@@ -173,8 +178,10 @@ def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int) -> dic
         dist.all_reduce(t)
     return {
         **case,
-        "pipec_ms": [a * 1e3 for a, _ in times],
-        "torch_ms": [b * 1e3 for _, b in times] if peer else [],
+        "pipec_ms": [t[0] * 1e3 for t in times],
+        "torch_ms": [t[1] * 1e3 for t in times] if peer else [],
+        "pipec_cpu_ms": [t[2] * 1e3 for t in times],
+        "torch_cpu_ms": [t[3] * 1e3 for t in times] if peer else [],
         "first_loss": losses.tolist(),
         "pipec_peak_bytes": peaks[0].tolist(),
         "torch_peak_bytes": peaks[1].tolist() if peer else [],

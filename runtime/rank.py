@@ -49,6 +49,7 @@ class Rank:
     recomputed: frozenset[tuple[int, int]]
     spec: ModelSpec  # loss_fn and the example micro-batch (for the synthetic data)
     data_seed: int = 0
+    evicted: frozenset[tuple[int, int]] = frozenset()  # stashes the program EVICTs
     comm: Comm | None = None
     optimizer: torch.optim.Optimizer | None = None
     dp_group: object | None = None
@@ -63,6 +64,7 @@ class Rank:
     synced: set[int] = field(default_factory=set)
     losses: dict[int, float] = field(default_factory=dict)
     batch_cache: dict[int, tuple[tuple[Tensor, ...], Tensor]] = field(default_factory=dict)
+    stash_sizes: dict[tuple[int, int], int] = field(default_factory=dict)  # measured once
     live: int = 0
     peak: int = 0
 
@@ -216,6 +218,7 @@ class Rank:
             recomputed,
             factory,
             data_seed,
+            frozenset((i.stage, i.mb) for i in program if i.op is Op.EVICT),
         )
 
     def connect(self, optimizer: OptimizerFactory, timeout: float) -> None:
