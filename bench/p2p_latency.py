@@ -55,7 +55,9 @@ def main() -> None:
     nbytes, out = int(sys.argv[1]), Path(sys.argv[2])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    result = {name: latencies(nbytes, busy) for name, busy in (("idle_ms", False), ("busy_ms", True))}
+    result = {
+        name: latencies(nbytes, busy) for name, busy in (("idle_ms", False), ("busy_ms", True))
+    }
     if dist.get_rank() == 1:
         medians = {name: statistics.median(xs) * 1e3 for name, xs in result.items()}
         out.write_text(json.dumps({"bytes": nbytes, **medians}))

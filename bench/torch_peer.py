@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc-per-node P bench/torch_peer.py CASES.json RESULTS.json
 
-A case is a pipec build (programs plus the model plan) and, optionally, a torch schedule class
-whose order that build holds. Both runtimes get the same stage modules (`build_stages` of the
+A case is a pipec build (programs plus the model plan) and a torch schedule class with the
+pipec build of that class's order (the same build when pipec runs torch's order). Both runtimes get the same stage modules (`build_stages` of the
 build's plan: same partition, same seed), the same micro-batches (`runtime.data`), AdamW with
 the same learning rate and the same torch threads, inside one process group. Steps alternate,
 pipec then torch, each after a barrier; an iteration is one step including the optimizer step,
@@ -31,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipec.build_dir import load
+from pipec.build_dir import Build, load
 from pipec.frontend import build_stages
 from pipec.torch_orders import SINGLE_STAGE
 from runtime.data import micro_batch
@@ -76,7 +76,7 @@ class SavedBytes:
 class _Held:
     """A saved tensor; autograd dropping it (graph freed) releases its storage's bytes."""
 
-    __slots__ = ("meter", "key", "tensor")
+    __slots__ = ("key", "meter", "tensor")
 
     def __init__(self, meter: SavedBytes, key: int, tensor: Tensor) -> None:
         self.meter, self.key, self.tensor = meter, key, tensor
@@ -86,10 +86,11 @@ class _Held:
 
 
 class TorchRun:
-    """torch.distributed.pipelining's schedule `cls_name` over this rank's stages of `rt`."""
+    """torch.distributed.pipelining's schedule `cls_name` over this rank's stages of `build`
+    (the pipec build of torch's order: its plan cuts the model for that order's placement)."""
 
-    def __init__(self, rt: Rank, cls_name: str) -> None:
-        layout, model_plan = rt.layout, rt.build.plan["model"]
+    def __init__(self, build: Build, rt: Rank, cls_name: str) -> None:
+        layout, model_plan = build.compiled.layout, build.plan["model"]
         mine = sorted(s for s in range(layout.n_stages) if layout.stage_rank[s] == rt.rank)
         modules = build_stages(None, model_plan, [layout.stage_chunk[s] for s in mine])
         stages = [
@@ -98,8 +99,10 @@ class TorchRun:
         cls = getattr(schedules, cls_name)
         loss = rt.spec.loss_fn
         m = layout.m
-        self.schedule = cls(stages[0], m, loss_fn=loss) if cls_name in SINGLE_STAGE else cls(
-            stages, m, loss_fn=loss
+        self.schedule = (
+            cls(stages[0], m, loss_fn=loss)
+            if cls_name in SINGLE_STAGE
+            else cls(stages, m, loss_fn=loss)
         )
         params = [p for mod in modules for p in mod.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=LR)
@@ -149,7 +152,7 @@ def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int) -> dic
     rt = Rank.prepare(build, grank, world, torch.device("cpu"))
     rt.connect(lambda params: torch.optim.AdamW(params, lr=LR), TIMEOUT_S)
     watchdog = Watchdog(TIMEOUT_S, rt.describe)
-    peer = TorchRun(rt, case["torch"]) if case["torch"] else None
+    peer = TorchRun(load(Path(case["torch_build"])), rt, case["torch"])
 
     def pipec_step() -> None:
         run_program(rt, HANDLERS, watchdog)
@@ -157,34 +160,33 @@ def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int) -> dic
     first_loss = [0.0, 0.0]
     for k in range(warmup):
         pipec_step()
-        if peer:
-            peer.step(metered=True)
+        peer.step(metered=True)
         if k == 0:  # both start from the same weights: the first step's loss must agree
-            first_loss = [sum(rt.losses.values()) / max(len(rt.losses), 1), peer.loss() if peer else 0.0]
+            first_loss = [sum(rt.losses.values()) / max(len(rt.losses), 1), peer.loss()]
         rt.losses.clear()
     times: list[list[float]] = []  # per pair: wall pipec, wall torch, CPU pipec, CPU torch
     for _ in range(pairs):
         a, a_cpu = _timed(pipec_step)
         rt.losses.clear()
-        b, b_cpu = _timed(lambda: peer.step(metered=False)) if peer else (0.0, 0.0)
+        b, b_cpu = _timed(lambda: peer.step(metered=False))
         times.append(_across_ranks([a, b], [a_cpu, b_cpu]))
     watchdog.stop()
     losses = torch.tensor(first_loss, dtype=torch.float64)
     dist.all_reduce(losses)  # one rank holds the last stage's losses (V: rank 0)
     peaks = [torch.zeros(world, dtype=torch.int64) for _ in range(2)]
     peaks[0][grank] = rt.peak
-    peaks[1][grank] = peer.meter.peak if peer else 0
+    peaks[1][grank] = peer.meter.peak
     for t in peaks:
         dist.all_reduce(t)
     return {
         **case,
         "pipec_ms": [t[0] * 1e3 for t in times],
-        "torch_ms": [t[1] * 1e3 for t in times] if peer else [],
+        "torch_ms": [t[1] * 1e3 for t in times],
         "pipec_cpu_ms": [t[2] * 1e3 for t in times],
-        "torch_cpu_ms": [t[3] * 1e3 for t in times] if peer else [],
+        "torch_cpu_ms": [t[3] * 1e3 for t in times],
         "first_loss": losses.tolist(),
         "pipec_peak_bytes": peaks[0].tolist(),
-        "torch_peak_bytes": peaks[1].tolist() if peer else [],
+        "torch_peak_bytes": peaks[1].tolist(),
     }
 
 

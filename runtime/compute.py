@@ -42,7 +42,8 @@ def _outgoing(rt: Rank, kind: Kind, stage: int, mb: int, to: int, tensors: tuple
 
 def _run(rt: Rank, stage: int, mb: int, inputs: tuple[Tensor, ...], record: bool):
     """The stage's forward; on the last stage, the scaled loss (recorded unscaled)."""
-    out = rt.modules[stage](*inputs)
+    with bwsplit.unsplit(rt.modules[stage], (stage, mb) in rt.fused):
+        out = rt.modules[stage](*inputs)
     if rt.layout.next_stage(stage) is not None:
         return (out,) if isinstance(out, Tensor) else tuple(out)
     loss = rt.spec.loss_fn(out, rt.batch(mb)[1])

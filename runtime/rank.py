@@ -50,6 +50,7 @@ class Rank:
     spec: ModelSpec  # loss_fn and the example micro-batch (for the synthetic data)
     data_seed: int = 0
     evicted: frozenset[tuple[int, int]] = frozenset()  # stashes the program EVICTs
+    fused: frozenset[tuple[int, int]] = frozenset()  # split stages' (s, mb) with a fused BW
     comm: Comm | None = None
     optimizer: torch.optim.Optimizer | None = None
     dp_group: object | None = None
@@ -219,6 +220,7 @@ class Rank:
             factory,
             data_seed,
             frozenset((i.stage, i.mb) for i in program if i.op is Op.EVICT),
+            frozenset((i.stage, i.mb) for i in program if split and i.op is Op.BW),
         )
 
     def connect(self, optimizer: OptimizerFactory, timeout: float) -> None:
