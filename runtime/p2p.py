@@ -3,7 +3,8 @@
 A message is keyed (kind, producer stage, mb): the activation F(s, mb) sends on, the input
 gradient B(s, mb) sends back, or a BPipe stash. `RECV_*` posts a non-blocking receive into
 buffers shaped from the plan's boundary facts; the compute op that consumes it waits (the time
-it waits is not counted as busy). `SEND_*` is a non-blocking send whose buffer is kept until it
+it waits is not counted as busy; on gloo the interpreter posts all of a step's receives at its
+start, see `runtime.interpreter.run_program`). `SEND_*` is a non-blocking send whose buffer is kept until it
 completes; all sends are completed before the optimizer step. Tags make gloo match by key; NCCL
 ignores tags and matches in order, which the lowering's globally consistent message order
 guarantees.
@@ -41,9 +42,15 @@ class Comm:
     """One rank's posted receives and in-flight sends."""
 
     def __init__(
-        self, global_rank: Callable[[int], int], n_stages: int, m: int, timeout: float
+        self,
+        global_rank: Callable[[int], int],
+        n_stages: int,
+        m: int,
+        timeout: float,
+        post_early: bool = False,
     ) -> None:
         self.global_rank = global_rank
+        self.post_early = post_early  # the interpreter posts a step's receives at its start
         self.n_stages, self.m = n_stages, m
         self.timeout = timedelta(seconds=timeout)
         self.posted: dict[tuple[int, int, int], tuple[int, list, list[Tensor]]] = {}

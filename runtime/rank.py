@@ -227,7 +227,14 @@ class Rank:
         """Create the groups the program's collectives use (every rank, same order) and the
         optimizer. Needs the default process group."""
         c = self.build.compiled
-        self.comm = Comm(self.global_rank, self.layout.n_stages, self.layout.m, timeout)
+        self.comm = Comm(
+            self.global_rank,
+            self.layout.n_stages,
+            self.layout.m,
+            timeout,
+            # NCCL matches in issue order on one stream per peer: keep the program's positions
+            post_early=dist.get_backend() == "gloo",
+        )
         dp_groups = [[d * c.world + r for d in range(self.dp)] for r in range(c.world)]
         for r, ranks in enumerate(dp_groups):
             group = dist.new_group(ranks) if self.dp > 1 else None
