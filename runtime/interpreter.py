@@ -98,9 +98,10 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
     t_begin = now()
     early = [k for k, i in enumerate(program) if i.op in RECEIVES] if comm.post_early else []
     for k in early:
-        watchdog.enter(k, t_begin)
+        t0 = now()
+        watchdog.enter(k, t0)
         handlers[program[k].op](rt, program[k])
-        begun[k] = start[k] = end[k] = t_begin
+        begun[k], start[k], end[k] = t0, t0, now()
     skip = frozenset(early)
     for k, instr in enumerate(program):
         if k in skip:
