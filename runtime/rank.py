@@ -234,6 +234,7 @@ class Rank:
             timeout,
             # NCCL matches in issue order on one stream per peer: keep the program's positions
             post_early=dist.get_backend() == "gloo",
+            send_thread=dist.get_backend() == "gloo",
         )
         dp_groups = [[d * c.world + r for d in range(self.dp)] for r in range(c.world)]
         for r, ranks in enumerate(dp_groups):
