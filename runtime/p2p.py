@@ -4,11 +4,10 @@ A message is keyed (kind, producer stage, mb): the activation F(s, mb) sends on,
 gradient B(s, mb) sends back, or a BPipe stash. `RECV_*` posts a non-blocking receive into
 buffers shaped from the plan's boundary facts; the compute op that consumes it waits (the time
 it waits is not counted as busy; on gloo the interpreter posts all of a step's receives at its
-start, see `runtime.interpreter.run_program`). `SEND_*` is a non-blocking send (on gloo
-issued by a helper thread, see `Comm`) whose buffer is kept until it
-completes; all sends are completed before the optimizer step. Tags make gloo match by key; NCCL
-ignores tags and matches in order, which the lowering's globally consistent message order
-guarantees.
+start, see `runtime.interpreter.run_program`). `SEND_*` is a non-blocking send (on gloo issued
+by a helper thread, see `Comm`) whose buffer is kept until it completes; all sends are completed
+before the optimizer step. Tags make gloo match by key; NCCL ignores tags and matches in order,
+which the lowering's globally consistent message order guarantees.
 """
 
 from __future__ import annotations
