@@ -1,13 +1,21 @@
-"""The runtime against the simulator: measured iteration time vs simulated, interpreter overhead.
+"""The runtime against the simulator: measured iteration time vs simulated, and where the gap is.
 
 For 2 and 4 ranks, compile the tiny GPT with costs profiled on this machine (one thread, as
-each rank runs), train it under torchrun (gloo, CPU), and compare the measured makespan (first
-compute start to last compute end, median over steps) with the simulated one; also the whole
-iteration (with the optimizer step), the bubble, and the interpreter's own time per
-instruction (loop wall time minus the handlers' time). Runs alternate between the
-configurations (A B A B) and medians are reported, as FACTS.md asks on this noisy machine.
+each rank runs) plus `comm` = gloo's measured one-way latency of one activation
+(`bench/p2p_latency.py`, the sender computing after its isend, as a pipeline rank does); train
+it under torchrun (gloo, CPU, cores // ranks threads each) and compare the measured makespan
+(first compute start to last compute end, median over steps) with the simulated one. Then
+split the gap:
+- replay: the same programs simulated with the op durations *this run* measured (median per
+  op kind and stage, last step) and the same latency: measured / replay is what the runtime
+  itself adds (waits beyond the latency, interpreter, sends), whatever the machine's load did
+  to compute;
+- cores bound: the run's total busy time / cores, the shortest makespan this many cores
+  allow; above the simulated makespan when the ranks cannot all compute at once;
+- the interpreter's own time per instruction (loop wall time minus the handlers' time).
+Runs alternate between the configurations (A B A B); medians are reported.
 
-    PYTHONPATH=. python bench/runtime.py [--schedule 1f1b] [--steps 20] [--repeats 3]
+    PYTHONPATH=. python bench/runtime.py [--schedule 1f1b] [--steps 20] [--repeats 3] [--quick]
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,18 +36,55 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipec.build_dir import emit
+from passes.costs import CostModel
+from passes.simulate import simulate
+from pipec.build_dir import Build, emit, load
 from pipec.model import compile_model
 from runtime.torchrun import torchrun
 
 MODEL = f"{ROOT}/examples/gpt.py:tiny"
+CORES = os.cpu_count() or 1
+
+
+def threads(p: int) -> int:
+    return max(1, CORES // p)
+
+
+def latency_ms(nbytes: int, out: Path) -> dict:
+    cmd, env = torchrun(ROOT / "bench/p2p_latency.py", 2, str(nbytes), str(out))
+    subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.read_text())
 
 
 def run(build: Path, world: int, steps: int) -> dict:
-    args = ("--steps", str(steps), "--threads", "1")
+    args = ("--steps", str(steps), "--threads", str(threads(world)))
     cmd, env = torchrun(build / "launch.py", world, *args)
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-    return json.loads((build / "measured/stats.json").read_text())
+    stats = json.loads((build / "measured/stats.json").read_text())
+    trace = json.loads((build / "measured/timeline.json").read_text())
+    return {"stats": stats, "replay_ms": replay(load(build), trace)}
+
+
+def replay(build: Build, trace: dict) -> float:
+    """Simulated makespan of the build's programs under the op durations a run measured."""
+    durations: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X":
+            durations[(e["cat"], e["args"]["stage"])].append(e["dur"] / 1000.0)
+    layout = build.compiled.layout
+    per_chunk: dict[str, list[float]] = {k: [0.0] * layout.n_chunks for k in "FBW"}
+    for (kind, stage), ds in durations.items():
+        # a fused BW is charged B + W by the simulator: put all of it on B
+        key = {"RECOMPUTE": "F", "BW": "B"}.get(kind, kind)
+        per_chunk[key][layout.stage_chunk[stage]] = statistics.median(ds)
+    costs = replace(build.costs, **{k: tuple(v) for k, v in per_chunk.items()})
+    return simulate(layout, build.compiled.programs, costs).makespan
+
+
+def activation_bytes(build: Path) -> int:
+    """Bytes of one activation message between stage 0 and 1."""
+    facts = json.loads((build / "plan.json").read_text())["model"]["stages"][0]["outputs"]
+    return sum(torch.empty(t["shape"], dtype=getattr(torch, t["dtype"])).nbytes for t in facts)
 
 
 def main() -> None:
@@ -46,39 +93,52 @@ def main() -> None:
     ap.add_argument("--microbatches", "-m", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="10 steps, 2 repeats")
     args = ap.parse_args()
+    steps, repeats = (10, 2) if args.quick else (args.steps, args.repeats)
     torch.set_num_threads(1)  # profile as each rank will run: one thread
     tmp = Path(tempfile.mkdtemp(prefix="pipec-bench-"))
+    probe = tmp / "probe"
+    emit(compile_model(MODEL, args.schedule, 2, args.microbatches), probe)
+    lat = latency_ms(activation_bytes(probe), tmp / "latency.json")
+    comm = CostModel(comm=lat["busy_ms"])
     builds = {}
     for p in (2, 4):
         builds[p] = tmp / f"p{p}"
-        emit(compile_model(MODEL, args.schedule, p, args.microbatches, profile=True), builds[p])
+        result = compile_model(MODEL, args.schedule, p, args.microbatches, costs=comm, profile=True)
+        emit(result, builds[p])
     runs: dict[int, list[dict]] = {p: [] for p in builds}
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for p, build in builds.items():  # A B A B: both see the same machine load
-            runs[p].append(run(build, p, args.steps))
+            runs[p].append(run(build, p, steps))
     print(
-        f"tiny GPT, {args.schedule}, m={args.microbatches}, {args.steps} steps x {args.repeats} "
-        f"runs per row (median), {os.cpu_count()} cores, gloo"
+        f"\ntiny GPT, {args.schedule}, m={args.microbatches}, {steps} steps x {repeats} runs per "
+        f"row (median), {CORES} cores, gloo; one activation ({lat['bytes']} B) arrives "
+        f"{lat['idle_ms']:.2f} ms after isend with the sender idle, {lat['busy_ms']:.2f} ms with "
+        f"it computing (the simulation's comm)"
     )
     print(
-        "| ranks | simulated makespan ms | measured makespan ms | ratio | measured iteration ms |"
-        " bubble sim / measured | peak stash bytes measured / simulated (rank 0) | overhead us/instr |"
+        "| ranks | threads | simulated ms | measured ms (spread) | ratio | replay ms | "
+        "measured / replay | cores bound ms | iteration ms | bubble sim / measured | "
+        "overhead us/instr |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for p, stats in runs.items():
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for p, rs in runs.items():
+        stats = [r["stats"] for r in rs]
         sim = stats[0]["simulated"]
         med = {k: statistics.median(s["measured"][k] for s in stats) for k in stats[0]["measured"]}
         spread = [s["measured"]["makespan_ms"] for s in stats]
+        rep = statistics.median(r["replay_ms"] for r in rs)
+        bound = statistics.median(sum(x["busy_ms"] for x in s["ranks"]) / CORES for s in stats)
         overhead = statistics.median(
             r["overhead_us_per_instruction"] for s in stats for r in s["ranks"]
         )
-        rank0 = stats[0]["ranks"][0]
         print(
-            f"| {p} | {sim['makespan_ms']:.1f} | {med['makespan_ms']:.1f} "
-            f"({min(spread):.1f}-{max(spread):.1f}) | {med['makespan_ms'] / sim['makespan_ms']:.2f} | "
+            f"| {p} | {threads(p)} | {sim['makespan_ms']:.1f} | {med['makespan_ms']:.1f} "
+            f"({min(spread):.1f}-{max(spread):.1f}) | {med['makespan_ms'] / sim['makespan_ms']:.2f} "
+            f"| {rep:.1f} | {med['makespan_ms'] / rep:.2f} | {bound:.1f} | "
             f"{med['iteration_ms']:.1f} | {sim['bubble']:.3f} / {med['bubble']:.3f} | "
-            f"{rank0['peak_stash_bytes']} / {rank0['simulated_peak_stash_bytes']} | {overhead:.1f} |"
+            f"{overhead:.1f} |"
         )
 
 

@@ -44,6 +44,9 @@ TINY = GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_heads=4, n_layers=8)
 # Deep and narrow: 16 one-layer chunks, so 8 ranks can hold a V-shape each. V-Min's rank-0
 # stash is (p+4)//3 of 1F1B's p stashes at best: under 0.4x first at p=8 (3 of 8).
 DEEP = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=16)
+# ~16x tiny's FLOPs per micro-batch: big enough that compute, not Python, dominates a step on a
+# CPU core, small enough for a benchmark of many steps (bench/compare_torch.py).
+SMALL = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=8, micro_batch=4)
 
 # GPT-3 96B as evaluated by BPipe (Kim et al., ICML 2023) and its re-evaluation (Huang et al.,
 # 2024). We could not consult the papers' configuration tables offline, so the shape is chosen
@@ -146,6 +149,9 @@ def tiny() -> ModelSpec:
 def deep() -> ModelSpec:
     """16 layers, d=32: 8 ranks of a V-shape (16 chunks) on a CPU in seconds."""
     return make_spec(DEEP)
+def small() -> ModelSpec:
+    """8 layers, d=128, micro-batch 4x64: a CPU-sized model whose steps are compute-bound."""
+    return make_spec(SMALL)
 
 
 def tiny_tied() -> ModelSpec:

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 from passes.costs import CostModel
 from passes.registry import Request, build_schedule, family
-from pipec.compile import CompileResult, compile_schedule
-from pipec.ir import PipecError
+from pipec.compile import CompileResult, compile_from_schedule, compile_schedule
+from pipec.ir import Layout, PipecError
 
 MS_PER_S = 1000.0
 
@@ -51,8 +51,6 @@ def compile_model(
 ) -> CompileResult:
     """Trace and measure the model of `spec` for this schedule's layout, then compile
     (`limit_in_bytes`: `memory_limit` is bytes of stash per rank, as measured)."""
-    from pipec.frontend import FrontendError, build_model_plan  # torch: only with a model
-
     default = CostModel()
     costs = costs or default
     if (costs.F, costs.B, costs.W) != (default.F, default.B, default.W):
@@ -60,19 +58,41 @@ def compile_model(
     v = family(schedule).default_v if v is None else v
     family_limit = None if evict or limit_in_bytes else memory_limit
     layout = build_schedule(schedule, Request(p, m, v, costs, family_limit)).layout
+    model = model_plan(spec, layout, partition, profile)
+    return compile_schedule(
+        schedule, p, m, v, model_costs(model, costs), memory_limit, model=model, dp=dp,
+        evict=evict, mapping=mapping, limit_in_bytes=limit_in_bytes,
+    )
+
+
+def model_plan(spec: str, layout: Layout, partition: str, profile: bool) -> dict:
+    """The frontend's plan (JSON) of `spec` cut into the chunks `layout` places."""
+    from pipec.frontend import FrontendError, build_model_plan  # torch: only with a model
+
     try:
         plan = build_model_plan(
             spec,
             layout.n_chunks,
             partition,
             profile,
-            v=layout.n_chunks // p,
+            v=layout.n_chunks // layout.p,
             replicas=layout.n_stages // layout.n_chunks,
         )
     except FrontendError as e:
         raise PipecError(str(e)) from None
-    model = plan.to_json()
-    return compile_schedule(
-        schedule, p, m, v, model_costs(model, costs), memory_limit, model=model, dp=dp,
-        evict=evict, mapping=mapping, limit_in_bytes=limit_in_bytes,
-    )
+    return plan.to_json()
+
+
+def compile_model_torch_order(
+    spec: str, torch_class: str, p: int, m: int, v: int | None = None, profile: bool = False
+) -> CompileResult:
+    """torch's own order for `torch_class` (e.g. ScheduleZBVZeroBubble) compiled for the model
+    of `spec`: pipec's runtime then executes exactly the order torch's runtime does."""
+    from passes.from_torch import schedule_from_torch
+    from pipec.torch_orders import torch_order  # imports torch
+
+    cls_name, rows, _ = torch_order(torch_class, p, m, v)
+    source = f"torch's {cls_name} order (p={p}, m={m})"
+    sched = schedule_from_torch(f"torch:{cls_name}", rows, source)
+    model = model_plan(spec, sched.layout, "balanced", profile)
+    return compile_from_schedule(sched, model_costs(model, CostModel()), None, model)

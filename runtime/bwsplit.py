@@ -41,6 +41,7 @@ class WeightGradQueue:
     def __init__(self) -> None:
         self._pending: dict[int, list[tuple[SplitLinear, Tensor, Tensor]]] = {}
         self._collecting: int | None = None
+        self.native = False  # forwards run plain nn.Linear (see `unsplit`)
 
     @contextmanager
     def collect(self, mb: int) -> Iterator[None]:
@@ -105,6 +106,8 @@ class SplitLinear(nn.Module):
         self._queue = queue
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._queue.native:
+            return F.linear(x, self.weight, self.bias)
         return _SplitLinearFunction.apply(x, self.weight, self.bias, self, self._queue)
 
     def extra_repr(self) -> str:
@@ -148,6 +151,22 @@ def split_backward(stage: nn.Module) -> WeightGradQueue:
             setattr(owner, attr, SplitLinear(module, queue))
     object.__setattr__(stage, _QUEUE_ATTR, queue)  # a plain attribute, not a submodule
     return queue
+
+
+@contextmanager
+def unsplit(stage: nn.Module, active: bool) -> Iterator[None]:
+    """While `active`, the stage's Linears run natively: for a forward whose backward will be a
+    fused BW (DualPipeV mixes BW with B/W), the split's Python autograd Function only costs
+    time (~10% of a tiny GPT stage's F+BW), and torch's own backward computes dW at once."""
+    queue: WeightGradQueue | None = getattr(stage, _QUEUE_ATTR, None)
+    if not active or queue is None:
+        yield
+        return
+    queue.native = True
+    try:
+        yield
+    finally:
+        queue.native = False
 
 
 def _queue(stage: nn.Module) -> WeightGradQueue:

@@ -5,8 +5,9 @@
 
 plus what makes it measurable and safe: each instruction's start (after any wait for its
 input) and end, the live stash bytes after it, and the watchdog told where the rank is. The
-interpreter never reorders; what overlaps is what the program posted (receives) or issued
-(sends, all-reduces) before. An op without a handler is refused before the run starts, naming
+interpreter never reorders compute or sends; what overlaps is what the program posted
+(receives; on gloo all of a step's are posted at its start) or issued (sends, all-reduces)
+before. An op without a handler is refused before the run starts, naming
 the op and its line; an instruction that raises leaves the watchdog pointing at it, so the
 entry point's report names it and its line.
 """
@@ -28,6 +29,7 @@ Handler = Callable[[Rank, Instr], None]
 def run_in_turn(rank: Rank, instr: Instr) -> None:
     """OVERLAP is a hint that the next F and B may run concurrently; this runtime runs them
     one after the other (their sends and receives already overlap compute)."""
+
 
 HANDLERS: Mapping[Op, Handler] = {
     Op.F: compute.forward,
@@ -75,15 +77,36 @@ class StepTrace:
     handler_s: float
 
 
+RECEIVES = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
+
+
 def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) -> StepTrace:
-    """Execute the rank's program once (one training step)."""
+    """Execute the rank's program once (one training step).
+
+    With `comm.post_early` (gloo), the step's activation and gradient receives are all posted
+    first, in program order: a gloo send whose receive is not posted yet waits for the
+    receiver's notice to reach the *sender's* I/O thread, which a computing sender leaves
+    without a core for milliseconds. Posting has no dependencies and gloo matches by tag, so
+    the order of compute and sends is unchanged; the cost is the buffers of the step's
+    not-yet-consumed inputs.
+    """
     program, comm = rt.program, rt.comm
     n = len(program)
     begun, start, end, live = [0.0] * n, [0.0] * n, [0.0] * n, [0] * n
     now = time.perf_counter
     comm.pop_waited()
     t_begin = now()
+    early = [k for k, i in enumerate(program) if i.op in RECEIVES] if comm.post_early else []
+    for k in early:
+        t0 = now()
+        watchdog.enter(k, t0)
+        handlers[program[k].op](rt, program[k])
+        begun[k], start[k], end[k] = t0, t0, now()
+    skip = frozenset(early)
     for k, instr in enumerate(program):
+        if k in skip:
+            live[k] = rt.live
+            continue
         t0 = now()
         watchdog.enter(k, t0)
         handlers[instr.op](rt, instr)

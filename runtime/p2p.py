@@ -3,15 +3,18 @@
 A message is keyed (kind, producer stage, mb): the activation F(s, mb) sends on, the input
 gradient B(s, mb) sends back, or a BPipe stash. `RECV_*` posts a non-blocking receive into
 buffers shaped from the plan's boundary facts; the compute op that consumes it waits (the time
-it waits is not counted as busy). `SEND_*` is a non-blocking send whose buffer is kept until it
-completes; all sends are completed before the optimizer step. Tags make gloo match by key; NCCL
-ignores tags and matches in order, which the lowering's globally consistent message order
-guarantees.
+it waits is not counted as busy; on gloo the interpreter posts all of a step's receives at its
+start, see `runtime.interpreter.run_program`). `SEND_*` is a non-blocking send (on gloo issued
+by a helper thread, see `Comm`) whose buffer is kept until it completes; all sends are completed
+before the optimizer step. Tags make gloo match by key; NCCL ignores tags and matches in order,
+which the lowering's globally consistent message order guarantees.
 """
 
 from __future__ import annotations
 
 import enum
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -41,15 +44,47 @@ class Comm:
     """One rank's posted receives and in-flight sends."""
 
     def __init__(
-        self, global_rank: Callable[[int], int], n_stages: int, m: int, timeout: float
+        self,
+        global_rank: Callable[[int], int],
+        n_stages: int,
+        m: int,
+        timeout: float,
+        post_early: bool = False,
+        send_thread: bool = False,
     ) -> None:
         self.global_rank = global_rank
+        self.post_early = post_early  # the interpreter posts a step's receives at its start
         self.n_stages, self.m = n_stages, m
         self.timeout = timedelta(seconds=timeout)
         self.posted: dict[tuple[int, int, int], tuple[int, list, list[Tensor]]] = {}
         self.sending: list[tuple[object, Tensor]] = []
         self.waited = 0.0  # seconds spent waiting since the interpreter last read it
         self.waiting_on: tuple[int, Kind, int, int] | None = None  # (src, key) of a blocked wait
+        # gloo: isends issued by a helper thread, in FIFO order. On 2 loaded cores 10-20% of
+        # gloo isends blocked their caller for 5-19 ms (inside gloo; its I/O thread waiting for
+        # a core), time a rank should spend computing. An error there is raised by the next
+        # send or the drain.
+        self._outbox: queue.Queue[tuple[int, int, Tensor]] | None = None
+        self._send_error: Exception | None = None
+        if send_thread:
+            self._outbox = queue.Queue()
+            threading.Thread(target=self._send_loop, name="pipec-send", daemon=True).start()
+
+    def _send_loop(self) -> None:
+        assert self._outbox is not None
+        while True:
+            dst, tag, t = self._outbox.get()
+            try:
+                if self._send_error is None:
+                    self.sending.append((dist.isend(t, dst=dst, tag=tag), t))
+            except Exception as e:  # noqa: BLE001 - handed to the main thread
+                self._send_error = e
+            finally:
+                self._outbox.task_done()
+
+    def _raise_send_error(self) -> None:
+        if self._send_error is not None:
+            raise self._send_error
 
     def _tag(self, kind: Kind, stage: int, mb: int, i: int) -> int:
         return ((kind * self.n_stages + stage) * self.m + mb) * MAX_TENSORS + i
@@ -83,10 +118,15 @@ class Comm:
     def send(self, kind: Kind, stage: int, mb: int, peer: int, tensors: Sequence[Tensor]) -> None:
         if len(tensors) > MAX_TENSORS:
             raise RuntimeError(f"{len(tensors)} tensors in one message; at most {MAX_TENSORS}")
+        dst = self.global_rank(peer)
+        if self._outbox is not None:
+            self._raise_send_error()
+            for i, t in enumerate(tensors):
+                self._outbox.put((dst, self._tag(kind, stage, mb, i), t.detach().contiguous()))
+            return
         # Release finished sends' buffers. gloo's send work reports completion only once
         # waited, so there they are all released at the optimizer step (drain); NCCL's sooner.
         self.sending = [(w, t) for w, t in self.sending if not w.is_completed()]
-        dst = self.global_rank(peer)
         for i, t in enumerate(tensors):
             t = t.detach().contiguous()
             self.sending.append((dist.isend(t, dst=dst, tag=self._tag(kind, stage, mb, i)), t))
@@ -94,6 +134,9 @@ class Comm:
     def drain(self) -> None:
         """Complete every send; a receive left posted is a program error."""
         t0 = time.perf_counter()
+        if self._outbox is not None:
+            self._outbox.join()
+            self._raise_send_error()
         for w, _ in self.sending:
             w.wait(self.timeout)
         self.waited += time.perf_counter() - t0

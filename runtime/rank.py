@@ -49,6 +49,8 @@ class Rank:
     recomputed: frozenset[tuple[int, int]]
     spec: ModelSpec  # loss_fn and the example micro-batch (for the synthetic data)
     data_seed: int = 0
+    evicted: frozenset[tuple[int, int]] = frozenset()  # stashes the program EVICTs
+    fused: frozenset[tuple[int, int]] = frozenset()  # split stages' (s, mb) with a fused BW
     comm: Comm | None = None
     optimizer: torch.optim.Optimizer | None = None
     dp_group: object | None = None
@@ -63,6 +65,7 @@ class Rank:
     synced: set[int] = field(default_factory=set)
     losses: dict[int, float] = field(default_factory=dict)
     batch_cache: dict[int, tuple[tuple[Tensor, ...], Tensor]] = field(default_factory=dict)
+    stash_sizes: dict[tuple[int, int], int] = field(default_factory=dict)  # measured once
     live: int = 0
     peak: int = 0
 
@@ -216,13 +219,23 @@ class Rank:
             recomputed,
             factory,
             data_seed,
+            frozenset((i.stage, i.mb) for i in program if i.op is Op.EVICT),
+            frozenset((i.stage, i.mb) for i in program if split and i.op is Op.BW),
         )
 
     def connect(self, optimizer: OptimizerFactory, timeout: float) -> None:
         """Create the groups the program's collectives use (every rank, same order) and the
         optimizer. Needs the default process group."""
         c = self.build.compiled
-        self.comm = Comm(self.global_rank, self.layout.n_stages, self.layout.m, timeout)
+        self.comm = Comm(
+            self.global_rank,
+            self.layout.n_stages,
+            self.layout.m,
+            timeout,
+            # NCCL matches in issue order on one stream per peer: keep the program's positions
+            post_early=dist.get_backend() == "gloo",
+            send_thread=dist.get_backend() == "gloo",
+        )
         dp_groups = [[d * c.world + r for d in range(self.dp)] for r in range(c.world)]
         for r, ranks in enumerate(dp_groups):
             group = dist.new_group(ranks) if self.dp > 1 else None

@@ -46,7 +46,7 @@ def test_same_seed_same_weights_and_batch():
         ("no_such_package.models:tiny", "no module no_such_package.models"),
         (
             f"{ROOT}/examples/gpt.py:tinyy",
-            "has no factory 'tinyy' (available: deep, gpt3_96b, tiny, tiny_tied)",
+            "has no factory 'tinyy' (available: deep, gpt3_96b, small, tiny, tiny_tied)",
         ),
         (f"{BROKEN}:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a function"),
         (f"{BROKEN}:not_a_spec", "returned dict; a factory must return pipec.frontend.ModelSpec"),

@@ -22,6 +22,10 @@ def test_exported_csvs_run_under_torchs_runtime(tmp_path):
     builds = {
         "1f1b": run("1f1b", P, 4),
         "interleaved": run("interleaved", P, 4, 2),
+        # pipec's controllable-memory V blocks (issue 10): I/W split and the V's hand-off, in
+        # orders torch has no class for
+        "v-half": run("v-half", P, 4),
+        "v-min": run("v-min", P, 4),
         # torch's own orders through pipec: split backward (I/W), the V's local hand-off, and
         # DualPipeV's full backwards exported as I then W
         "zbv": compile_torch_class("ScheduleZBVZeroBubble", P, 4, 2, CostModel())[0],

@@ -237,3 +237,18 @@ def test_csv_dumped_by_torch_imports_like_the_class(cls, fmt, tmp_path):
     from_csv = compile_torch_csv(path, COSTS["unit"])
     assert from_csv.compiled.schedule == "torch-csv:torch"
     assert from_csv.compiled.programs == torch_import(cls, p, m, 2).compiled.programs
+
+
+def test_torch_order_compiles_for_a_model():
+    """bench/compare_torch.py's pipec side: torch's own order, with the model's plan, stages
+    cut for its placement, so both runtimes execute the same order over the same stages."""
+    from pathlib import Path
+
+    from pipec.model import compile_model_torch_order
+
+    spec = f"{Path(__file__).resolve().parent.parent}/examples/gpt.py:tiny"
+    ours = compile_model_torch_order(spec, "ScheduleZBVZeroBubble", 2, 4)
+    plain, _ = compile_torch_class("ScheduleZBVZeroBubble", 2, 4, 2, CostModel())
+    assert compute_orders(ours.compiled.programs) == compute_orders(plain.compiled.programs)
+    assert len(ours.plan["model"]["stages"]) == 4
+    assert ours.costs.F != CostModel().F  # the model's per-chunk estimate, not unit costs
