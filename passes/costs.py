@@ -41,6 +41,9 @@ class CostModel:
     """Bytes of one micro-batch's stash per model chunk; empty without a model."""
     topology: Topology | None = None
     allreduce: float = 0.0
+    input_bytes: tuple[float, ...] = ()
+    """Bytes of one micro-batch's stage inputs per model chunk (what a recomputed stage keeps
+    from F to RECOMPUTE); empty without a model, where `mem_input` stands for it."""
 
     def per_chunk(self, kind: str, chunk: int) -> float:
         values = getattr(self, kind)
@@ -112,6 +115,8 @@ class CostModel:
             out["topology"] = self.topology.to_json()
         if self.allreduce:
             out["allreduce"] = self.allreduce
+        if self.input_bytes:
+            out["input_bytes"] = list(self.input_bytes)
         return out
 
     @staticmethod
@@ -120,7 +125,7 @@ class CostModel:
         return CostModel(
             tuple(d["F"]), tuple(d["B"]), tuple(d["W"]), d["comm"],
             d["mem_F"], d["mem_W"], d["mem_input"], tuple(d.get("stash_bytes", ())), topology,
-            d.get("allreduce", 0.0),
+            d.get("allreduce", 0.0), tuple(d.get("input_bytes", ())),
         )
 
 

@@ -14,7 +14,7 @@ follow `passes/transfers.py`; replica all-reduces `passes/replicas.py`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate, chain
 from operator import attrgetter
 from typing import NamedTuple
@@ -227,23 +227,40 @@ def activation_profile(
     costs: CostModel,
     recompute: bool,
     stash_of_chunk: Sequence[float] | None = None,
+    chunk_costs: Sequence[CostModel] | None = None,
 ) -> list[float]:
     """Live activation memory after each instruction of one rank's program, in stashes.
 
     With `stash_of_chunk` (one micro-batch's stash of each chunk, e.g. in bytes), a stage's
-    stash weighs that instead of the uniform `layout.stash_share`.
+    stash weighs that instead of the uniform `layout.stash_share`; `chunk_costs` (one cost
+    model per chunk) then gives each chunk its own memory deltas.
     """
     if stash_of_chunk is None:  # one share for every stage: a running sum, all in C
         share = layout.stash_share
         delta = {op: costs.mem_delta(op, recompute) * share for op in Op}
         return list(accumulate(map(delta.__getitem__, map(attrgetter("op"), program))))
+    deltas = [
+        {op: c.mem_delta(op, recompute) * weight for op in Op}
+        for c, weight in zip(chunk_costs or [costs] * len(stash_of_chunk), stash_of_chunk)
+    ]
+    moving = {op for op in Op if costs.mem_delta(op, recompute)}
     live, out = 0.0, []
     for instr in program:
-        d = costs.mem_delta(instr.op, recompute)
-        if d:
-            live += d * stash_of_chunk[layout.stage_chunk[instr.stage]]
+        if instr.op in moving:
+            live += deltas[layout.stage_chunk[instr.stage]][instr.op]
         out.append(live)
     return out
+
+
+def measured_inputs(costs: CostModel) -> list[CostModel] | None:
+    """One cost model per chunk whose `mem_input` is that chunk's measured input bytes as a
+    share of its stash (a recomputed stage keeps its inputs), where the model gives them."""
+    if not costs.input_bytes or not costs.stash_bytes:
+        return None
+    return [
+        replace(costs, mem_input=costs.mem_F * i / b if b else costs.mem_input)
+        for i, b in zip(costs.input_bytes, costs.stash_bytes)
+    ]
 
 
 def simulate(
@@ -261,6 +278,7 @@ def simulate(
     moves = Transfers(layout, costs, recompute)
     times, _ = played or play(layout, programs, costs, moves)
     synced = sync_times(layout, programs, times, costs)
+    by_chunk = measured_inputs(costs) if recompute else None
     timeline, ranks = [], []
     for r, prog in enumerate(programs):
         slots = tuple(
@@ -273,7 +291,7 @@ def simulate(
         if costs.stash_bytes:
             # F adds mem_F stashes, which weigh the chunk's measured stash bytes.
             per_stash = [b / costs.mem_F for b in costs.stash_bytes]
-            profile = activation_profile(prog, layout, costs, recompute, per_stash)
+            profile = activation_profile(prog, layout, costs, recompute, per_stash, by_chunk)
             peak_bytes = round(max([0.0, *profile]))
         sync = max(0.0, synced[r] - (slots[-1].end if slots else 0.0))
         timeline.append(slots)

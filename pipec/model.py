@@ -8,6 +8,7 @@ drive lowering, simulation and the memory figures, and the plan goes under plan.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from passes.costs import CostModel
@@ -31,7 +32,15 @@ def model_costs(model: dict, base: CostModel) -> CostModel:
         B=per_chunk("B"),
         W=per_chunk("W"),
         stash_bytes=tuple(float(s["stash_bytes"]) for s in stages),
+        input_bytes=tuple(float(sum(map(tensor_bytes, s["inputs"]))) for s in stages),
     )
+
+
+def tensor_bytes(facts: dict) -> int:
+    """Bytes of a boundary tensor described by its facts' JSON (shape and dtype)."""
+    import torch  # only with a model
+
+    return math.prod(facts["shape"]) * getattr(torch, facts["dtype"]).itemsize
 
 
 def compile_model(

@@ -14,6 +14,7 @@ from passes.registry import SCHEDULES, family
 from pipec.compile import compile_schedule
 from pipec.frontend import load_factory, measure_stash_bytes, split_model
 from pipec.ir import Op
+from pipec.model import compile_model
 from tests.test_cli import cli_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +81,21 @@ def test_measured_stash_bytes_per_stage_match_the_simulator(build):
         assert rank["peak_stash_bytes"] == (4 - r) * measured[r]
     svg = (build / "schedule.svg").read_text()
     assert "peak 4 stashes = 2.02 MiB" in svg  # stash units and bytes side by side
+
+
+def test_recomputed_stages_keep_their_measured_input_bytes(build):
+    """Under 1F1B-R a stage keeps only its inputs until RECOMPUTE: the model's boundary
+    tensors (the first stage's token ids, later ones an activation), not a fixed share."""
+    plan = json.loads((build / "plan.json").read_text())
+    stages = plan["model"]["stages"]
+    batch, seq = stages[0]["inputs"][0]["shape"]
+    assert plan["costs"]["input_bytes"] == [batch * seq * 8] + [batch * seq * 64 * 4] * 3
+    r = compile_model(str(ROOT / "examples/gpt.py:tiny"), "1f1b-r", 4, 8)
+    inputs, stash = plan["costs"]["input_bytes"], plan["costs"]["stash_bytes"]
+    # Rank r's peak: p-r-1 kept inputs and one recomputed stash (the backward's).
+    assert [x.peak_stash_bytes for x in r.sim.ranks] == [
+        (3 - k) * inputs[k] + stash[k] for k in range(4)
+    ]
 
 
 def test_model_errors_are_one_line_exit_2(tmp_path, capsys):
