@@ -7,7 +7,8 @@ from pipec.compile import compile_schedule
 from pipec.ir import PipecError
 from pipec.plan.candidates import cost_model
 from pipec.plan.facts import FBW, Chunks
-from pipec.plan.memory import format_bytes, optimizer_bytes, parse_bytes, rank_memory
+from codegen.render import format_bytes
+from pipec.plan.memory import optimizer_bytes, parse_bytes, rank_memory
 
 
 def chunks(stash, params=(1000,), param_bytes=None, inputs=None) -> Chunks:

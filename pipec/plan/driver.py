@@ -21,7 +21,7 @@ from pipec.plan.candidates import (
     strategy_names,
 )
 from pipec.plan.facts import ModelProfile
-from pipec.plan.memory import format_bytes
+from codegen.render import format_bytes
 
 LINK_EXAMPLE = "--link intra=450e9:5e-6,inter=50e9:1e-5"
 

@@ -60,15 +60,6 @@ def parse_bytes(text: str, what: str = "--memory-per-device") -> int:
     return int(value)
 
 
-def format_bytes(n: float) -> str:
-    """Bytes in binary units with three significant digits: 529152 -> '517 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.3g} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 @dataclass(frozen=True)
 class RankMemory:
     """One rank's peak memory, in bytes, by what holds it."""

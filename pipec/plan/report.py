@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from passes.topology import Link
 from pipec.plan.candidates import Evaluated
 from pipec.plan.driver import Plan
-from pipec.plan.memory import format_bytes
+from codegen.render import format_bytes
 
 
 @dataclass(frozen=True)
