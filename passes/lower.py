@@ -15,7 +15,7 @@ rank), so both ranks of a pair issue their collectives in one order.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import itemgetter
 
 from passes.costs import CostModel
@@ -24,12 +24,12 @@ from pipec.ir import (
     COMPUTE_OPS,
     Compiled,
     Instr,
+    Layout,
     Op,
     PipecError,
     Program,
     Schedule,
     dependencies,
-    dependency_memo,
     fused_backwards,
 )
 
@@ -39,33 +39,34 @@ Entry = tuple[str, Instr, Node | None]
 follows (send, sync) or precedes (recv); None for a sync with no compute before it)."""
 
 
-Message = tuple[tuple, list[tuple[int, Entry]]]
-"""A message's global key and its entries, one per rank that takes part."""
+Keyed = tuple[tuple, Entry]
+"""An entry and the global key of its message."""
 
 #: (send, receive) ops of a message carrying a forward's output (True) or a gradient (False).
 _MESSAGE_OPS = {True: (Op.SEND_ACT, Op.RECV_ACT), False: (Op.SEND_GRAD, Op.RECV_GRAD)}
 
 
-def messages(schedule: Schedule, played: Played) -> list[Message]:
-    """Every cross-rank data edge and replica all-reduce, in global message order."""
+def messages(schedule: Schedule, played: Played) -> list[list[Entry]]:
+    """Each rank's part in every cross-rank data edge and replica all-reduce, in global
+    message order (sorted rank by rank: the order of a rank's entries is all it needs)."""
     layout = schedule.layout
     times, done_order = played
-    seq = {node: k for k, node in enumerate(done_order)}
+    # A data message's key: its producer's (end, completion position). The sort is stable and
+    # messages are made in the consumers' completion order, which breaks the remaining ties.
+    when = {node: (times[node][1], k) for k, node in enumerate(done_order)}
     recompute = uses_recompute(schedule.orders)
     fused = fused_backwards(schedule.orders)
     rank_of = layout.stage_rank
-    memo = dependency_memo(layout, recompute, fused)  # read inline: 10^5 nodes at p=64
-    out: list[Message] = []
-    for k, node in enumerate(done_order):
-        here = rank_of[node[1]]
-        for dep in memo.get(node) or dependencies(layout, node, recompute, fused):
-            there = rank_of[dep[1]]
-            if there != here:  # a forward's output goes downstream, anything else is a gradient
-                send_op, recv_op = _MESSAGE_OPS[dep[0] is Op.F]
-                send = Instr(send_op, dep[1], dep[2], here)
-                recv = Instr(recv_op, node[1], dep[2], there)
-                ends = [(there, ("send", send, dep)), (here, ("recv", recv, node))]
-                out.append(((times[dep][1], seq[dep], k), ends))
+    crossing = _crossing_deps(layout, recompute, fused)
+    per_rank: list[list[Keyed]] = [[] for _ in schedule.orders]
+    for node in done_order:
+        _, s, i = node
+        here = rank_of[s]
+        for dep_op, dep_stage, there, send_op, recv_op in crossing(node):
+            dep = (dep_op, dep_stage, i)
+            key = when[dep]
+            per_rank[there].append((key, ("send", Instr(send_op, dep_stage, i, here), dep)))
+            per_rank[here].append((key, ("recv", Instr(recv_op, s, i, there), node)))
     triggers = _sync_triggers(schedule)
     for s, (instr, trigger) in triggers.items():
         r = layout.replica[s]
@@ -75,16 +76,41 @@ def messages(schedule: Schedule, played: Played) -> list[Message]:
             )
         if s < r:
             other, other_trigger = triggers[r]
-            late = max((times[t][1], seq[t]) if t else (0.0, -1) for t in (trigger, other_trigger))
+            late = max(when[t] if t else (0.0, -1) for t in (trigger, other_trigger))
             # After every data message of the same trigger; the chunk breaks ties between pairs.
-            key = (*late, len(seq) + layout.stage_chunk[s])
-            ends = [
-                (rank_of[s], ("sync", instr, trigger)),
-                (rank_of[r], ("sync", other, other_trigger)),
-            ]
-            out.append((key, ends))
-    out.sort(key=itemgetter(0))
-    return out
+            key = (*late, len(when) + layout.stage_chunk[s])
+            per_rank[rank_of[s]].append((key, ("sync", instr, trigger)))
+            per_rank[rank_of[r]].append((key, ("sync", other, other_trigger)))
+    by_key = itemgetter(0)
+    return [[entry for _, entry in sorted(keyed, key=by_key)] for keyed in per_rank]
+
+
+Crossing = tuple[tuple[Op, int, int, Op, Op], ...]
+"""A node's inputs from other ranks: (producer op, producer stage, producer's rank, send op,
+receive op); the producer works on the node's micro-batch."""
+
+
+def _crossing_deps(
+    layout: Layout, recompute: bool, fused: frozenset[tuple[int, int]] | None
+) -> Callable[[Node], Crossing]:
+    """node -> its inputs from other ranks, kept per (op, stage) where the micro-batch does
+    not change them (no mix of fused and split backwards): 10^5 nodes, a few hundred kinds."""
+    rank_of = layout.stage_rank
+    memo: dict[tuple, Crossing] = {}
+
+    def crossing(node: Node) -> Crossing:
+        key = node[:2] if fused is None else node
+        found = memo.get(key)
+        if found is None:
+            here = rank_of[node[1]]
+            found = memo[key] = tuple(
+                (dep[0], dep[1], rank_of[dep[1]], *_MESSAGE_OPS[dep[0] is Op.F])
+                for dep in dependencies(layout, node, recompute, fused)
+                if rank_of[dep[1]] != here  # a forward's output goes downstream, else a gradient
+            )
+        return found
+
+    return crossing
 
 
 def _sync_triggers(schedule: Schedule) -> dict[int, tuple[Instr, Node | None]]:
@@ -108,10 +134,7 @@ def lower(schedule: Schedule, costs: CostModel, played: Played | None = None) ->
     it, or earlier only when a later message must wait behind it. `played` reuses a `play`
     of the schedule under `costs`.
     """
-    per_rank: list[list[Entry]] = [[] for _ in schedule.orders]
-    for _, ends in messages(schedule, played or play(schedule.layout, schedule.orders, costs)):
-        for rank, entry in ends:
-            per_rank[rank].append(entry)
+    per_rank = messages(schedule, played or play(schedule.layout, schedule.orders, costs))
     programs = tuple(
         _merge([i for i in order if i.op is not Op.ALLREDUCE_GRADS], msgs)
         + (Instr(Op.OPTIMIZER_STEP),)

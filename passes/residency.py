@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipec.ir import Compiled, Op, PipecError
+from pipec.ir import MEMORY_OPS, Compiled, Op, PipecError, op_kinds
 
 if TYPE_CHECKING:
     from passes.simulate import SimResult
@@ -32,6 +32,8 @@ def check_residency(compiled: Compiled) -> None:
     from passes.verify import VerifyError  # verify calls this check: import late
     from passes.verify import _at as at
 
+    if MEMORY_OPS.isdisjoint(op_kinds(compiled.programs)):
+        return  # no stash moves: nothing below can fail (every check involves a move)
     for r, prog in enumerate(compiled.programs):
         made: set[tuple[int, int]] = set()  # F ran; nothing has read the stash yet
         evicted: dict[tuple[int, int], int] = {}  # stash -> position of its EVICT

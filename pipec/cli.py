@@ -23,7 +23,7 @@ from passes.simulate import SimResult, simulate
 from passes.topology import Topology, make_topology
 from passes.verify import verify
 from pipec.build_dir import emit, load
-from pipec.compile import CompileResult, compile_schedule
+from pipec.compile import CompileResult, compile_schedule, gc_paused
 from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
 from pipec.ir import Layout, PipecError
 from pipec.model import compile_model
@@ -202,8 +202,9 @@ def schedules() -> None:
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
 def compile_cmd(out: Path, force: bool, **opts) -> None:
     """Compile a schedule (for MODEL, path/to/file.py:factory, if given) into programs in OUT."""
-    result = _compile(**opts)
-    emit(result, out, force)
+    with gc_paused():  # the collector's one scan of the 10^6 objects built comes after emit
+        result = _compile(**opts)
+        emit(result, out, force)
     sim = result.sim
     click.echo(
         f"wrote {out}/: {result.compiled.world} rank programs, plan {result.plan_hash}; "
