@@ -16,7 +16,7 @@ chain from after one of them back to before it, which the test excludes.
 
 from __future__ import annotations
 
-from passes.verify import counterpart
+from passes.execution import counterpart
 from pipec.ir import MEMORY_OPS, RECV_OPS, SEND_OPS, Compiled, Instr, PipecError
 
 MESSAGE_OPS = SEND_OPS | RECV_OPS | MEMORY_OPS

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from passes.violation import VerifyError, at
 from pipec.ir import MEMORY_OPS, Compiled, Op, PipecError, op_kinds
 
 if TYPE_CHECKING:
@@ -29,9 +30,6 @@ _READS = frozenset({Op.RECOMPUTE, Op.B, Op.BW, Op.W})
 
 def check_residency(compiled: Compiled) -> None:
     """Raise VerifyError unless every stash move on every rank is well placed."""
-    from passes.verify import VerifyError  # verify calls this check: import late
-    from passes.verify import _at as at
-
     if MEMORY_OPS.isdisjoint(op_kinds(compiled.programs)):
         return  # no stash moves: nothing below can fail (every check involves a move)
     for r, prog in enumerate(compiled.programs):
@@ -78,8 +76,6 @@ def check_residency(compiled: Compiled) -> None:
 def check_stash_bytes(sim: SimResult, limit: float) -> None:
     """A limit in bytes: every rank's simulated peak of stash bytes (each stash weighing its
     stage's measured bytes, on whichever rank holds it) is within `limit`."""
-    from passes.verify import VerifyError
-
     for r, rank in enumerate(sim.ranks):
         if rank.peak_stash_bytes is None:
             raise PipecError(NEEDS_MODEL)

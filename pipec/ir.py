@@ -303,6 +303,19 @@ def fused_backwards(programs: Sequence[Sequence[Instr]]) -> frozenset[tuple[int,
     return frozenset((i.stage, i.mb) for prog in programs for i in prog if i.op is Op.BW)
 
 
+def fused_set(compiled: Compiled) -> frozenset[tuple[int, int]]:
+    """(stage, mb) whose backward is one fused BW: all, none, or DualPipe's mix."""
+    programs = compiled.programs
+    mixed = fused_backwards(programs)
+    if mixed is not None:
+        return mixed
+    kinds = op_kinds(programs)
+    if Op.B in kinds or Op.W in kinds:
+        return frozenset()
+    layout = compiled.layout
+    return frozenset((s, i) for pl in layout.pipelines for s in pl.stages for i in pl.mbs)
+
+
 def dependencies(
     layout: Layout,
     node: tuple[Op, int, int],

@@ -48,7 +48,8 @@ def test_op_kinds_follows_mutable_programs_and_keeps_tuples():
 def test_a_send_before_its_producer_is_caught():
     from dataclasses import replace
 
-    from passes.verify import VerifyError, check_execution
+    from passes.execution import check_execution
+    from passes.verify import VerifyError
 
     compiled = run("1f1b", 2, 2).compiled
     first = compiled.programs[0]

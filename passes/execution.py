@@ -1,0 +1,222 @@
+"""Invariants 2 and 3, checked together: execute every program under blocking point-to-point.
+
+A send waits for its receive, a stash move for its peer half, a replica all-reduce for both
+ranks of the pair. The programs finish only if every input is produced or received before it
+is used and no two ranks wait on each other: no deadlock. `counterpart` names the instruction
+a peer must run to match a message (also used by the eviction pass's rendezvous).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from passes import replicas
+from passes.simulate import uses_recompute
+from passes.violation import VerifyError, at
+from pipec.ir import (
+    COMPUTE_OPS,
+    MEMORY_OPS,
+    RECV_OPS,
+    SEND_OPS,
+    Compiled,
+    Instr,
+    Layout,
+    Op,
+    dependencies,
+    dependency_memo,
+    fused_backwards,
+    fused_set,
+)
+
+#: Ops that meet a counterpart on a peer rank (a replica all-reduce only when it names one).
+MESSAGE_LIKE = SEND_OPS | RECV_OPS | MEMORY_OPS | {Op.ALLREDUCE_GRADS}
+
+
+#: The half each stash-move instruction is matched with on the peer.
+_MEMORY_PAIR = {Op.EVICT: Op.ACCEPT, Op.ACCEPT: Op.EVICT, Op.LOAD: Op.RETURN, Op.RETURN: Op.LOAD}
+
+
+def counterpart(instr: Instr, rank: int, compiled: Compiled) -> Instr:
+    """The instruction the peer must execute to match a send, receive or stash move."""
+    layout = compiled.layout
+    s = instr.stage
+    if instr.op in MEMORY_OPS:
+        return Instr(_MEMORY_PAIR[instr.op], s, instr.mb, rank)
+    if instr.op is Op.SEND_ACT:
+        return Instr(Op.RECV_ACT, layout.next_stage(s), instr.mb, rank)
+    if instr.op is Op.RECV_ACT:
+        return Instr(Op.SEND_ACT, layout.prev_stage(s), instr.mb, rank)
+    if instr.op is Op.SEND_GRAD:
+        return Instr(Op.RECV_GRAD, layout.prev_stage(s), instr.mb, rank)
+    return Instr(Op.SEND_GRAD, layout.next_stage(s), instr.mb, rank)
+
+
+def _message_peer_error(instr: Instr, rank: int, compiled: Compiled) -> str | None:
+    """Why a send/receive names the wrong peer or a stage with no such neighbour, if it does."""
+    layout = compiled.layout
+    s = instr.stage
+    if s is None or instr.mb is None or instr.peer is None or not 0 <= s < layout.n_stages:
+        return "needs a valid s=, mb= and peer"
+    if instr.op in MEMORY_OPS:  # the evictor holds the stage; the acceptor is another rank
+        evictor = rank if instr.op in (Op.EVICT, Op.LOAD) else instr.peer
+        if not 0 <= instr.peer < compiled.world or instr.peer == rank:
+            return f"the peer must be another rank of the {compiled.world}"
+        if layout.stage_rank[s] != evictor:
+            return f"stage {s} is on rank {layout.stage_rank[s]}, not on the evicting one {evictor}"
+        return None
+    other = layout.next_stage(s) if instr.op in (Op.SEND_ACT, Op.RECV_GRAD) else layout.prev_stage(s)
+    if other is None:
+        return f"stage {s} has no neighbour in that direction"
+    if layout.stage_rank[other] != instr.peer:
+        return f"the peer stage {other} is on rank {layout.stage_rank[other]}, not {instr.peer}"
+    return None
+
+
+def check_execution(compiled: Compiled) -> None:
+    """Invariants 2 and 3: run every program with blocking point-to-point semantics.
+
+    A rank runs until a message whose counterpart its peer has not reached; the peer, on
+    reaching it, completes the pair (checking both halves) and resumes the rank. The loop runs
+    once per instruction of 10^5-10^6: well-formed sends and receives take an inline path
+    (tuples, no Instr built); anything else goes through `_message`, which also words errors.
+    """
+    layout, programs = compiled.layout, compiled.programs
+    recompute = uses_recompute(programs)
+    rank_of = layout.stage_rank
+    fused = fused_set(compiled)
+    n = len(programs)
+    available: list[set] = [set() for _ in range(n)]  # nodes computed here or received here
+    pos = [0] * n
+    ready = set(range(n))
+    p2p = _p2p_table(layout)
+    mixed = fused_backwards(programs)  # None unless fused and split backwards mix
+    memo = dependency_memo(layout, recompute, mixed)
+    compute_ops, f_op, b_op, bw_op = COMPUTE_OPS, Op.F, Op.B, Op.BW
+
+    while ready:
+        r = ready.pop()
+        prog, avail = programs[r], available[r]
+        k = pos[r]
+        end = len(prog)
+        while k < end:
+            instr = prog[k]
+            op = instr.op
+            if op in compute_ops:
+                node = (op, instr.stage, instr.mb)
+                for dep in memo.get(node) or dependencies(layout, node, recompute, mixed):
+                    if dep not in avail:
+                        raise _missing_input(r, k, instr, dep, rank_of)
+                avail.add(node)
+            elif op in MESSAGE_LIKE and (op is not Op.ALLREDUCE_GRADS or instr.peer is not None):
+                s, mb, q = instr.stage, instr.mb, instr.peer
+                entry = p2p.get(op)
+                near = None if entry is None or mb is None or s is None else entry[1].get(s)
+                if near is not None and rank_of[near] == q:  # a well-formed send or receive
+                    counter_op, _, sends, act = entry
+                    sender = s if sends else near
+                    if act:
+                        payload = (f_op, sender, mb)
+                    else:
+                        payload = (bw_op if (sender, mb) in fused else b_op, sender, mb)
+                    if sends and payload not in avail:
+                        pos[r] = k
+                        _message(r, k, instr, compiled, available, fused)  # raises
+                    delivery = (q if sends else r, payload)
+                    qprog, qk = programs[q], pos[q]
+                    if qk < len(qprog):
+                        x = qprog[qk]
+                        matched = (
+                            x.op is counter_op and x.stage == near and x.mb == mb and x.peer == r
+                        )
+                        if matched and not sends and payload not in available[q]:
+                            raise VerifyError(f"{at(q, qk, x)}: sends what is not computed yet")
+                    else:
+                        matched = False
+                else:
+                    pos[r] = k
+                    check = _sync_rendezvous if op is Op.ALLREDUCE_GRADS else _message
+                    other, delivery = check(r, k, instr, compiled, available, fused)
+                    qprog, qk = programs[q], pos[q]
+                    matched = qk < len(qprog) and qprog[qk] == other
+                    if matched:  # the peer's side gets the same checks, whoever arrives first
+                        check = _sync_rendezvous if op is Op.ALLREDUCE_GRADS else _message
+                        check(q, qk, other, compiled, available, fused)
+                if not matched:
+                    break  # blocked: the peer resumes this rank when it reaches the counterpart
+                if delivery:
+                    available[delivery[0]].add(delivery[1])
+                pos[r] = k
+                pos[q] += 1
+                k = pos[r]
+                ready.add(q)  # the peer was blocked here (or gets here next): it goes on
+            elif op is Op.OPTIMIZER_STEP:
+                if k != end - 1:
+                    raise VerifyError(f"{at(r, k, instr)}: OPTIMIZER_STEP must come last")
+            k += 1
+        pos[r] = k
+    stuck = [r for r in range(n) if pos[r] < len(programs[r])]
+    if stuck:
+        where = "; ".join(f"{at(r, pos[r], programs[r][pos[r]])} waits" for r in stuck[:4])
+        raise VerifyError(f"deadlock under blocking send/recv: {where}")
+    for r, prog in enumerate(programs):
+        if not prog or prog[-1].op is not Op.OPTIMIZER_STEP:
+            raise VerifyError(f"rank {r}: the program must end with OPTIMIZER_STEP")
+
+
+def _missing_input(
+    r: int, pos: int, instr: Instr, dep: tuple, rank_of: Sequence[int]
+) -> VerifyError:
+    what = "computed" if rank_of[dep[1]] == r else f"received from rank {rank_of[dep[1]]}"
+    return VerifyError(
+        f"{at(r, pos, instr)}: needs {dep[0].value} s={dep[1]} mb={dep[2]}, not {what} before"
+    )
+
+
+def _p2p_table(layout: Layout) -> dict[Op, tuple[Op, dict[int, int], bool, bool]]:
+    """Per send/receive op: the peer's op, stage -> the peer's stage, whether this end sends,
+    and whether the message is an activation (else a gradient)."""
+    stages = range(layout.n_stages)
+    nxt = {s: t for s in stages if (t := layout.next_stage(s)) is not None}
+    prv = {s: t for s in stages if (t := layout.prev_stage(s)) is not None}
+    return {
+        Op.SEND_ACT: (Op.RECV_ACT, nxt, True, True),
+        Op.RECV_ACT: (Op.SEND_ACT, prv, False, True),
+        Op.SEND_GRAD: (Op.RECV_GRAD, prv, True, False),
+        Op.RECV_GRAD: (Op.SEND_GRAD, nxt, False, False),
+    }
+
+
+def _message(
+    r: int, pos: int, instr: Instr, compiled: Compiled, available: list[set], fused: frozenset
+) -> tuple[Instr, tuple[int, tuple] | None]:
+    """A send, receive or stash move: the peer's counterpart, and (receiving rank, node it
+    delivers); a stash move carries no work-graph value."""
+    bad = _message_peer_error(instr, r, compiled)
+    if bad:
+        raise VerifyError(f"{at(r, pos, instr)}: {bad}")
+    other = counterpart(instr, r, compiled)
+    if instr.op in MEMORY_OPS:
+        return other, None
+    send, sender, receiver = (instr, r, instr.peer) if instr.op in SEND_OPS else (other, instr.peer, r)
+    bwd = Op.BW if (send.stage, send.mb) in fused else Op.B
+    payload = (Op.F if send.op is Op.SEND_ACT else bwd, send.stage, send.mb)
+    if sender == r and payload not in available[r]:
+        raise VerifyError(f"{at(r, pos, instr)}: sends what is not computed yet")
+    return other, (receiver, payload)
+
+
+def _sync_rendezvous(
+    r: int, pos: int, instr: Instr, compiled: Compiled, available: list[set], fused: frozenset
+) -> tuple[Instr, None]:
+    """A replica all-reduce: the peer's counterpart, once this side's gradients are final."""
+    layout = compiled.layout
+    bad = replicas.sync_error(layout, instr, r)
+    if bad:
+        raise VerifyError(f"{at(r, pos, instr)}: {bad}")
+    for node in replicas.backward_nodes(layout, instr.stage, fused):
+        if node not in available[r]:
+            raise VerifyError(
+                f"{at(r, pos, instr)}: {node[0].value} s={node[1]} mb={node[2]} has not run "
+                "yet, so the gradients are not final"
+            )
+    return replicas.counterpart(layout, instr, r), None
