@@ -10,7 +10,7 @@ import gc
 import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from codegen.render import dump_json
 from passes.costs import CostModel
@@ -24,6 +24,26 @@ from passes.verify import verify
 from pipec.ir import Compiled, PipecError, Schedule
 
 PLAN_FORMAT = "pipec.plan/1"
+UNIT_COSTS = CostModel()  # F=B=W=1, comm 0: the default (a frozen value, shared)
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to compile a schedule beyond its shape; the defaults change nothing in the plan.
+
+    `dp` > 1 adds data-parallel gradient sync (a world of p·dp ranks). With `evict`, eviction
+    holds every rank to `memory_limit` (to the smallest feasible limit when none is given).
+    `limit_in_bytes`: the limit is bytes of stash per rank (needs the model's
+    `costs.stash_bytes`), checked against the simulated bytes.
+    """
+
+    costs: CostModel = UNIT_COSTS
+    memory_limit: float | None = None
+    model: dict | None = None
+    dp: int = 1
+    evict: bool = False
+    mapping: str = "sequential"
+    limit_in_bytes: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,7 +81,7 @@ def compile_schedule(
     p: int,
     m: int,
     v: int | None = None,
-    costs: CostModel = CostModel(),
+    costs: CostModel = UNIT_COSTS,
     memory_limit: float | None = None,
     model: dict | None = None,
     dp: int = 1,
@@ -69,70 +89,46 @@ def compile_schedule(
     mapping: str = "sequential",
     limit_in_bytes: bool = False,
 ) -> CompileResult:
-    """Build a registered family's schedule, then lower, simulate and verify it.
-
-    `dp` > 1 adds data-parallel gradient sync; the world is then p·dp ranks. With `evict`,
-    the family builds its schedule without the memory limit and eviction holds every rank
-    to it (to the smallest feasible limit when none is given). `limit_in_bytes`: the limit
-    is bytes of stash per rank (needs the model's `costs.stash_bytes`); the family does not
-    see it, eviction holds ranks to it and the simulated bytes are checked against it.
-    """
+    """Build a registered family's schedule, then lower, simulate and verify it (the options
+    are `Options`'). The family sees the memory limit unless eviction or bytes enforce it."""
+    opts = Options(costs, memory_limit, model, dp, evict, mapping, limit_in_bytes)
     if dp < 1:
         raise PipecError(f"--dp must be at least 1 (got {dp})")
     v = family(schedule).default_v if v is None else v
     with gc_paused():
         req = Request(p, m, v, costs, None if evict or limit_in_bytes else memory_limit)
-        sched = build_schedule(schedule, req)
-        return compile_from_schedule(
-            sched, costs, memory_limit, model, dp, evict, mapping, limit_in_bytes
-        )
+        return compile_from_schedule(build_schedule(schedule, req), opts)
 
 
-def compile_from_schedule(
-    sched: Schedule,
-    costs: CostModel = CostModel(),
-    memory_limit: float | None = None,
-    model: dict | None = None,
-    dp: int = 1,
-    evict: bool = False,
-    mapping: str = "sequential",
-    limit_in_bytes: bool = False,
-) -> CompileResult:
+def compile_from_schedule(sched: Schedule, opts: Options = Options()) -> CompileResult:
     """Lower, simulate and verify a schedule built anywhere (a family, an imported order)."""
     with gc_paused():
-        costs.check_chunks(sched.layout.n_chunks)
+        opts.costs.check_chunks(sched.layout.n_chunks)
         played = None
-        if evict or mapping != "sequential":
+        if opts.evict or opts.mapping != "sequential":
             compiled, mapping, memory_limit = place(
-                sched, costs, mapping, evict, memory_limit, limit_in_bytes
+                sched, opts.costs, opts.mapping, opts.evict, opts.memory_limit,
+                opts.limit_in_bytes,
             )
+            opts = replace(opts, mapping=mapping, memory_limit=memory_limit)
         else:  # the common case: one play serves lowering and simulation (orders are kept)
-            played = play(sched.layout, sched.orders, costs)
-            compiled = lower(sched, costs, played)
-        if dp > 1:
+            played = play(sched.layout, sched.orders, opts.costs)
+            compiled = lower(sched, opts.costs, played)
+        if opts.dp > 1:
             compiled = add_dp_sync(compiled)
-        return package(
-            compiled, costs, memory_limit, model, dp, played, evict, mapping, limit_in_bytes
-        )
+        return package(compiled, opts, played)
 
 
 def package(
-    compiled: Compiled,
-    costs: CostModel,
-    memory_limit: float | None = None,
-    model: dict | None = None,
-    dp: int = 1,
-    played: Played | None = None,
-    evict: bool = False,
-    mapping: str = "sequential",
-    limit_in_bytes: bool = False,
+    compiled: Compiled, opts: Options = Options(), played: Played | None = None
 ) -> CompileResult:
     """Simulate and verify lowered programs and make their plan (also hand-written programs)."""
+    costs, limit = opts.costs, opts.memory_limit
     sim = simulate(compiled.layout, compiled.programs, costs, played)
-    stashes_limit = None if limit_in_bytes else memory_limit
+    stashes_limit = None if opts.limit_in_bytes else limit
     verify(compiled, costs, [r.peak_activations for r in sim.ranks], stashes_limit)
-    if limit_in_bytes:
-        check_stash_bytes(sim, memory_limit)
+    if opts.limit_in_bytes:
+        check_stash_bytes(sim, limit)
     plan = {
         "format": PLAN_FORMAT,
         "schedule": compiled.schedule,
@@ -143,16 +139,16 @@ def package(
         "layout": compiled.layout.to_json(),
         "costs": costs.to_json(),
         "memory_limit": stashes_limit,
-        "model": model,
+        "model": opts.model,
     }
     # Keys only where used, so that plans without them (and golden headers) keep their hash.
-    if dp > 1:
-        plan["dp"] = dp
-    if evict:
+    if opts.dp > 1:
+        plan["dp"] = opts.dp
+    if opts.evict:
         plan["evict"] = True
-    if mapping != "sequential":
-        plan["mapping"] = mapping
-    if limit_in_bytes:
-        plan["memory_limit_bytes"] = memory_limit
+    if opts.mapping != "sequential":
+        plan["mapping"] = opts.mapping
+    if opts.limit_in_bytes:
+        plan["memory_limit_bytes"] = limit
     text = dump_json(plan)
     return CompileResult(compiled, sim, costs, plan, text, plan_hash(text))

@@ -13,7 +13,7 @@ from passes.costs import CostModel
 from passes.from_torch import schedule_from_torch
 from passes.to_torch import torch_rows
 from pipec.build_dir import load
-from pipec.compile import CompileResult, compile_from_schedule
+from pipec.compile import CompileResult, Options, compile_from_schedule
 from pipec.ir import PipecError, Schedule
 from pipec.torch_csv import read_csv, write_csv
 
@@ -31,7 +31,7 @@ def _compile_imported(
     sched: Schedule, source: str, costs: CostModel, memory_limit: float | None
 ) -> CompileResult:
     try:
-        return compile_from_schedule(sched, costs, memory_limit)
+        return compile_from_schedule(sched, Options(costs, memory_limit))
     except PipecError as e:
         raise PipecError(f"{source}: the imported order does not compile: {e}") from None
 

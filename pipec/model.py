@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from passes.costs import CostModel
 from passes.registry import Request, build_schedule, family
-from pipec.compile import CompileResult, compile_from_schedule, compile_schedule
+from pipec.compile import CompileResult, Options, compile_from_schedule, compile_schedule
 from pipec.ir import Layout, PipecError
 
 MS_PER_S = 1000.0
@@ -104,4 +104,4 @@ def compile_model_torch_order(
     source = f"torch's {cls_name} order (p={p}, m={m})"
     sched = schedule_from_torch(f"torch:{cls_name}", rows, source)
     model = model_plan(spec, sched.layout, "balanced", profile)
-    return compile_from_schedule(sched, model_costs(model, CostModel()), None, model)
+    return compile_from_schedule(sched, Options(model_costs(model, CostModel()), model=model))

@@ -20,7 +20,7 @@ from passes.costs import CostModel
 from passes.lower import lower
 from passes.registry import SCHEDULES, family
 from pipec.cli import main as pipec_main
-from pipec.compile import CompileResult, package
+from pipec.compile import CompileResult, Options, package
 from pipec.frontend import build_model_plan, load_factory
 from pipec.ir import Instr, Layout, Op, Pipeline, Schedule
 from pipec.model import compile_model, model_costs
@@ -67,7 +67,8 @@ def two_replicas() -> CompileResult:
         )
     model = build_model_plan(GPT, 4, v=1, replicas=2, progress=False).to_json()
     costs = model_costs(model, CostModel())
-    return package(lower(Schedule("replicas", P, M, 1, layout, tuple(orders)), costs), costs, model=model)
+    compiled = lower(Schedule("replicas", P, M, 1, layout, tuple(orders)), costs)
+    return package(compiled, Options(costs, model=model))
 
 
 def build_cases() -> dict[str, tuple[CompileResult, dict]]:
