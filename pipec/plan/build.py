@@ -18,9 +18,9 @@ from passes.registry import Request, build_schedule
 from passes.topology import Link
 from pipec.compile import CompileResult, compile_schedule
 from pipec.ir import PipecError
+from pipec.model import MS_PER_S, model_plan
 from pipec.plan.candidates import Evaluated
 
-MS_PER_S = 1000.0
 COST_SOURCE = "pipec plan profile"
 
 
@@ -46,27 +46,15 @@ def in_ms(costs: CostModel) -> CostModel:
 
 def compile_candidate(ev: Evaluated, spec: str) -> CompileResult:
     """Compile `ev` for the model of `spec`, whose factory must give micro-batches of `ev.mbs`."""
-    from pipec.frontend import FrontendError, build_model_plan  # torch: only with a model
-
     job = ev.request
     layout = build_schedule(job.schedule, Request(job.p, job.m, job.v)).layout
-    try:
-        model = build_model_plan(
-            spec,
-            layout.n_chunks,
-            "balanced",
-            v=layout.n_chunks // job.p,
-            replicas=layout.n_stages // layout.n_chunks,
-            progress=False,
-        )
-    except FrontendError as e:
-        raise PipecError(str(e)) from None
-    batch = model.stages[0].inputs[0].shape[0]
+    model = model_plan(spec, layout, "balanced", profile=False)
+    batch = model["stages"][0]["inputs"][0]["shape"][0]
     if batch != ev.mbs:
         raise PipecError(
             f"{spec} gives micro-batches of {batch} samples; the candidate needs {ev.mbs}"
         )
-    options = dict(job.options)
+    model["cost"]["source"] = COST_SOURCE
     return compile_schedule(
         job.schedule,
         job.p,
@@ -74,6 +62,6 @@ def compile_candidate(ev: Evaluated, spec: str) -> CompileResult:
         job.v,
         in_ms(ev.costs),
         job.memory_limit,
-        model=replace(model, cost_source=COST_SOURCE).to_json(),
-        **options,
+        model=model,
+        **dict(job.options),
     )
