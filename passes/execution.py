@@ -22,10 +22,10 @@ from pipec.ir import (
     Instr,
     Layout,
     Op,
-    dependencies,
-    dependency_memo,
+    dependency_table,
     fused_backwards,
     fused_set,
+    upstream_backward,
 )
 
 #: Ops that meet a counterpart on a peer rank (a replica all-reduce only when it names one).
@@ -90,7 +90,7 @@ def check_execution(compiled: Compiled) -> None:
     ready = set(range(n))
     p2p = _p2p_table(layout)
     mixed = fused_backwards(programs)  # None unless fused and split backwards mix
-    memo = dependency_memo(layout, recompute, mixed)
+    table = dependency_table(layout, recompute)
     compute_ops, f_op, b_op, bw_op = COMPUTE_OPS, Op.F, Op.B, Op.BW
 
     while ready:
@@ -102,11 +102,13 @@ def check_execution(compiled: Compiled) -> None:
             instr = prog[k]
             op = instr.op
             if op in compute_ops:
-                node = (op, instr.stage, instr.mb)
-                for dep in memo.get(node) or dependencies(layout, node, recompute, mixed):
-                    if dep not in avail:
-                        raise _missing_input(r, k, instr, dep, rank_of)
-                avail.add(node)
+                stage, mb = instr.stage, instr.mb
+                for dep_op, dep_stage in table[op][stage]:
+                    if dep_op is None:
+                        dep_op = op if mixed is None else upstream_backward(op, dep_stage, mb, mixed)
+                    if (dep_op, dep_stage, mb) not in avail:
+                        raise _missing_input(r, k, instr, (dep_op, dep_stage, mb), rank_of)
+                avail.add((op, stage, mb))
             elif op in MESSAGE_LIKE and (op is not Op.ALLREDUCE_GRADS or instr.peer is not None):
                 s, mb, q = instr.stage, instr.mb, instr.peer
                 entry = p2p.get(op)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from itertools import accumulate, chain
+from itertools import accumulate
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -29,10 +29,11 @@ from pipec.ir import (
     Layout,
     Op,
     PipecError,
-    dependencies,
-    dependency_memo,
+    Pred,
+    dependency_table,
     fused_backwards,
     op_kinds,
+    upstream_backward,
 )
 
 Node = tuple[Op, int, int]
@@ -168,7 +169,7 @@ def play(
     delay = [
         [msg[rank_of[st]][r] for st in stages] if r < layout.p else () for r in range(len(compute))
     ]
-    memo = dependency_memo(layout, recompute, fused)  # read inline: this loop is the hot path
+    table = dependency_table(layout, recompute)  # read inline: this loop is the hot path
     memory_ops = MEMORY_OPS
     while ready:
         r = ready.pop()
@@ -181,21 +182,12 @@ def play(
                 ready.extend(waiting.pop(moves.reach(r, instr, t), ()))
                 k += 1
                 continue
-            node = (op, instr.stage, instr.mb)
-            start = t
-            blocked = None
-            deps = memo.get(node) or dependencies(layout, node, recompute, fused)
-            if pairs and k in pairs:  # the pair starts once the inputs of both ops are in
-                second = (order[k + 1].op, order[k + 1].stage, order[k + 1].mb)
-                deps = chain(deps, dependencies(layout, second, recompute, fused))
-            for dep in deps:
-                finished = times.get(dep)
-                if finished is None:
-                    blocked = dep
-                    break
-                arrive = finished[1] + delay_r[dep[1]]
-                if arrive > start:
-                    start = arrive
+            stage, mb = instr.stage, instr.mb
+            blocked, start = _inputs_in(table[op][stage], op, mb, fused, times, delay_r, t)
+            if blocked is None and pairs and k in pairs:  # a pair waits for both ops' inputs
+                second = order[k + 1]
+                deps = table[second.op][second.stage]
+                blocked, start = _inputs_in(deps, second.op, second.mb, fused, times, delay_r, start)
             if blocked is None and moves.pending:
                 gate = moves.gate(r, instr)
                 if gate is not None:
@@ -207,7 +199,8 @@ def play(
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(r)
                 break
-            t = start + durations[op][instr.stage]
+            t = start + durations[op][stage]
+            node = (op, stage, mb)
             times[node] = (start, t)
             done_order.append(node)
             if node in waiting:
@@ -219,6 +212,29 @@ def play(
         where = "; ".join(f"rank {r} at {compute[r][pos[r]]}" for r in stuck[:4])
         raise PipecError(f"the schedule cannot finish (a dependency cycle): {where}")
     return times, done_order
+
+
+def _inputs_in(
+    deps: tuple[Pred, ...],
+    op: Op,
+    mb: int,
+    fused: frozenset[tuple[int, int]] | None,
+    times: dict[Node, tuple[float, float]],
+    delay: Sequence[float],
+    start: float,
+) -> tuple[Node | None, float]:
+    """(the first input of (op, ·, mb) not computed yet, or None; the time all have arrived,
+    not before `start`). `deps` is the op's row of `dependency_table`; `delay[s]` is the
+    message delay from stage s to this rank."""
+    for dep_op, dep_stage in deps:
+        if dep_op is None:
+            dep_op = op if fused is None else upstream_backward(op, dep_stage, mb, fused)
+        finished = times.get((dep_op, dep_stage, mb))
+        if finished is None:
+            return (dep_op, dep_stage, mb), start
+        arrive = finished[1] + delay[dep_stage]
+        start = max(start, arrive)
+    return None, start
 
 
 def activation_profile(

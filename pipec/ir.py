@@ -194,8 +194,8 @@ class Layout:
         return {mb: i for i, pl in enumerate(self.pipelines) for mb in pl.mbs}
 
     @cached_property
-    def _dependency_cache(self) -> dict[tuple, dict]:
-        """Memos for `dependencies`, one per (recompute, fused)."""
+    def _dependency_tables(self) -> dict[bool, dict[Op, list[tuple[Pred, ...]]]]:
+        """`dependency_table`'s answers, one per `recompute`."""
         return {}
 
     def stages_of_rank(self, rank: int) -> tuple[int, ...]:
@@ -316,57 +316,65 @@ def fused_set(compiled: Compiled) -> frozenset[tuple[int, int]]:
     return frozenset((s, i) for pl in layout.pipelines for s in pl.stages for i in pl.mbs)
 
 
+Pred = tuple[Op | None, int]
+"""A predecessor of (op, stage, mb) as (op, stage); the micro-batch is the node's own. An op
+of None is the upstream backward: fused BW or split B as that (stage, mb) is computed."""
+
+
+def dependency_table(layout: Layout, recompute: bool = False) -> dict[Op, list[tuple[Pred, ...]]]:
+    """Per compute op, per stage: the predecessors of (op, stage, mb) (DESIGN.md's edges).
+
+    F(s,i)<-F(prev,i); B(last,i)<-F(last,i); B(s,i)<-B(next,i), F(s,i); W(s,i)<-B(s,i).
+    With recompute, the backward also waits for RECOMPUTE(s,i), which waits for F(s,i).
+    No edge changes the micro-batch, so one entry serves all of them: the hot loops (play,
+    check_execution) read it inline instead of building 10^5 per-node tuples of tuples.
+    """
+    tables = layout._dependency_tables
+    if recompute not in tables:
+        table: dict[Op, list[tuple[Pred, ...]]] = {op: [] for op in COMPUTE_OPS}
+        for s in range(layout.n_stages):
+            prev, nxt = layout.prev_stage(s), layout.next_stage(s)
+            backward = ((Op.F, s),) if nxt is None else ((None, nxt), (Op.F, s))
+            if recompute:
+                backward += ((Op.RECOMPUTE, s),)
+            table[Op.F].append(() if prev is None else ((Op.F, prev),))
+            table[Op.RECOMPUTE].append(((Op.F, s),))
+            table[Op.B].append(backward)
+            table[Op.BW].append(backward)
+            table[Op.W].append(((Op.B, s),))
+        tables[recompute] = table
+    return tables[recompute]
+
+
+def upstream_backward(
+    op: Op, stage: int, mb: int, fused: frozenset[tuple[int, int]] | None
+) -> Op:
+    """The backward of (stage, mb) that backward `op` of the stage before it waits for: the
+    same kind, unless `fused` (see fused_backwards) says which backwards are fused."""
+    if fused is None:
+        return op
+    return Op.BW if (stage, mb) in fused else Op.B
+
+
 def dependencies(
     layout: Layout,
     node: tuple[Op, int, int],
     recompute: bool = False,
     fused: frozenset[tuple[int, int]] | None = None,
 ) -> tuple[tuple[Op, int, int], ...]:
-    """Predecessors of compute node (op, stage, mb) in the work graph (DESIGN.md's edges).
+    """Predecessors of compute node (op, stage, mb) in the work graph (see dependency_table).
 
-    F(s,i)<-F(prev,i); B(last,i)<-F(last,i); B(s,i)<-B(next,i), F(s,i); W(s,i)<-B(s,i).
     A fused BW follows the same edges as B (its upstream backward is a BW too, unless
-    `fused` — see fused_backwards — says which backwards are fused); with recompute, the
-    backward also waits for RECOMPUTE(s,i), which waits for F(s,i).
-    Memoised per layout: every pass asks for the same nodes' predecessors.
+    `fused` says which backwards are fused); non-compute ops have none.
     """
-    cache = dependency_memo(layout, recompute, fused)
-    deps = cache.get(node)
-    if deps is None:
-        deps = cache[node] = _dependencies(layout, node, recompute, fused)
-    return deps
-
-
-def dependency_memo(
-    layout: Layout, recompute: bool, fused: frozenset[tuple[int, int]] | None
-) -> dict[tuple[Op, int, int], tuple[tuple[Op, int, int], ...]]:
-    """The memo `dependencies` fills for (recompute, fused); hot loops read it inline."""
-    return layout._dependency_cache.setdefault((recompute, fused), {})
-
-
-def _dependencies(
-    layout: Layout,
-    node: tuple[Op, int, int],
-    recompute: bool,
-    fused: frozenset[tuple[int, int]] | None,
-) -> tuple[tuple[Op, int, int], ...]:
     op, s, i = node
-    if op is Op.F:
-        prev = layout.prev_stage(s)
-        return () if prev is None else ((Op.F, prev, i),)
-    if op is Op.RECOMPUTE:
-        return ((Op.F, s, i),)
-    if op is Op.B or op is Op.BW:
-        nxt = layout.next_stage(s)
-        if nxt is None:
-            deps: tuple[tuple[Op, int, int], ...] = ((Op.F, s, i),)
-        else:
-            up = op if fused is None else Op.BW if (nxt, i) in fused else Op.B
-            deps = ((up, nxt, i), (Op.F, s, i))
-        return deps + ((Op.RECOMPUTE, s, i),) if recompute else deps
-    if op is Op.W:
-        return ((Op.B, s, i),)
-    return ()
+    per_stage = dependency_table(layout, recompute).get(op)
+    if per_stage is None:
+        return ()
+    return tuple(
+        (upstream_backward(op, st, i, fused) if dop is None else dop, st, i)
+        for dop, st in per_stage[s]
+    )
 
 
 def work_graph(layout: Layout, split_bw: bool, recompute: bool = False) -> nx.DiGraph:
