@@ -91,24 +91,24 @@ def chrome_trace(
 
 
 def trace_json(timeline: Sequence[Sequence[Slot]], title: str) -> str:
-    """`json.dumps(chrome_trace(timeline, title))`, byte for byte, printed event by event:
-    a compile's timeline holds 10^5 slots, and a dict per slot made up half of emit's time."""
+    """`chrome_trace(timeline, title)` as JSON, printed event by event: a compile's timeline
+    holds 10^5 slots, and a dict per slot made up half of emit's time. Times print with
+    three decimals ("%.3f": no round() and repr() per number), the same values that
+    chrome_trace rounds to."""
     meta = chrome_trace([() for _ in timeline], title)["traceEvents"]  # names, no slots
     parts = [json.dumps(meta[0])]
+    scale = TRACE_US_PER_UNIT
     for rank, slots in enumerate(timeline):
         parts.append(json.dumps(meta[rank + 1]))
+        event = (  # a compute op always has a stage and a micro-batch (invariant 1)
+            '{"name": "%s", "cat": "%s", "ph": "X", "pid": 0, "tid": ' + str(rank)
+            + ', "ts": %.3f, "dur": %.3f, "args": {"stage": %d, "mb": %d}}'
+        )
         parts.extend(
-            f'{{"name": "{i}", "cat": "{_OP_NAME[i.op]}", "ph": "X", "pid": 0, "tid": {rank}, '
-            f'"ts": {round(a * TRACE_US_PER_UNIT, 3)!r}, '
-            f'"dur": {round((b - a) * TRACE_US_PER_UNIT, 3)!r}, '
-            f'"args": {{"stage": {_json_int(i.stage)}, "mb": {_json_int(i.mb)}}}}}'
+            event % (i, _OP_NAME[i.op], a * scale, (b - a) * scale, i.stage, i.mb)
             for i, a, b in slots
         )
     return f'{{"traceEvents": [{", ".join(parts)}], "displayTimeUnit": "ms"}}'
-
-
-def _json_int(value: int | None) -> str:
-    return "null" if value is None else str(value)
 
 
 def render_svg(sim: SimResult, title: str) -> str:
@@ -166,18 +166,24 @@ def _pixel_boxes(slots: Sequence[Slot], y: int, h: int, scale: float) -> list[st
     this is what the chart can show; an op counts in the column of its middle, or, when wider
     than a pixel, in every column it covers.
     """
-    busy: dict[tuple[int, str], float] = {}
+    columns = int(SVG_WIDTH)
+    busy: dict[str, list[float]] = {}  # op kind -> time in each pixel column
     for instr, start, end in slots:
-        x0, w, kind = start * scale, (end - start) * scale, _OP_NAME[instr.op]
+        x0, w = start * scale, (end - start) * scale
+        kind = _OP_NAME[instr.op]
+        row = busy.get(kind)
+        if row is None:
+            row = busy[kind] = [0.0] * (columns + 2)
         if w <= 1:
-            key = (int(x0 + w / 2), kind)
-            busy[key] = busy.get(key, 0.0) + w
+            row[int(x0 + w / 2)] += w
             continue
         for c in range(int(x0), int(x0 + w) + 1):
-            busy[c, kind] = busy.get((c, kind), 0.0) + w
+            row[c] += w
     best: dict[int, tuple[float, str]] = {}
-    for (c, kind), t in sorted(busy.items()):
-        best[c] = max(best.get(c, (0.0, "")), (t, kind))
+    for kind in sorted(busy):  # a tie goes to the kind last in name order
+        for c, t in enumerate(busy[kind]):
+            if t > 0 and (c not in best or t >= best[c][0]):
+                best[c] = (t, kind)
     boxes, run = [], None  # run: [first column, last column, kind]
     for c in sorted(best):
         kind = best[c][1]

@@ -79,6 +79,7 @@ def check_execution(compiled: Compiled) -> None:
     reaching it, completes the pair (checking both halves) and resumes the rank. The loop runs
     once per instruction of 10^5-10^6: well-formed sends and receives take an inline path
     (tuples, no Instr built); anything else goes through `_message`, which also words errors.
+    Compute ops are taken to be work-graph ops (invariant 1, `check_coverage`).
     """
     layout, programs = compiled.layout, compiled.programs
     recompute = uses_recompute(programs)

@@ -34,13 +34,10 @@ from pipec.ir import (
 )
 
 Node = tuple[Op, int, int]
-Entry = tuple[str, Instr, Node | None]
-"""One rank's part in a message: ("send" | "recv" | "sync", instruction, compute node it
-follows (send, sync) or precedes (recv); None for a sync with no compute before it)."""
-
-
-Keyed = tuple[tuple, Entry]
-"""An entry and the global key of its message."""
+Entry = tuple[tuple, str, Instr, Node | None]
+"""One rank's part in a message: (the message's global key, "send" | "recv" | "sync",
+instruction, compute node it follows (send, sync) or precedes (recv); None for a sync with
+no compute before it)."""
 
 #: (send, receive) ops of a message carrying a forward's output (True) or a gradient (False).
 _MESSAGE_OPS = {True: (Op.SEND_ACT, Op.RECV_ACT), False: (Op.SEND_GRAD, Op.RECV_GRAD)}
@@ -53,20 +50,20 @@ def messages(schedule: Schedule, played: Played) -> list[list[Entry]]:
     times, done_order = played
     # A data message's key: its producer's (end, completion position). The sort is stable and
     # messages are made in the consumers' completion order, which breaks the remaining ties.
-    when = {node: (times[node][1], k) for k, node in enumerate(done_order)}
+    position = dict(zip(done_order, range(len(done_order))))
     recompute = uses_recompute(schedule.orders)
     fused = fused_backwards(schedule.orders)
     rank_of = layout.stage_rank
     crossing = _crossing_deps(layout, recompute, fused)
-    per_rank: list[list[Keyed]] = [[] for _ in schedule.orders]
+    per_rank: list[list[Entry]] = [[] for _ in schedule.orders]
     for node in done_order:
         _, s, i = node
         here = rank_of[s]
         for dep_op, dep_stage, there, send_op, recv_op in crossing(node):
             dep = (dep_op, dep_stage, i)
-            key = when[dep]
-            per_rank[there].append((key, ("send", Instr(send_op, dep_stage, i, here), dep)))
-            per_rank[here].append((key, ("recv", Instr(recv_op, s, i, there), node)))
+            key = (times[dep][1], position[dep])
+            per_rank[there].append((key, "send", Instr(send_op, dep_stage, i, here), dep))
+            per_rank[here].append((key, "recv", Instr(recv_op, s, i, there), node))
     triggers = _sync_triggers(schedule)
     for s, (instr, trigger) in triggers.items():
         r = layout.replica[s]
@@ -76,13 +73,19 @@ def messages(schedule: Schedule, played: Played) -> list[list[Entry]]:
             )
         if s < r:
             other, other_trigger = triggers[r]
-            late = max(when[t] if t else (0.0, -1) for t in (trigger, other_trigger))
+            late = max(
+                (times[t][1], position[t]) if t else (0.0, -1) for t in (trigger, other_trigger)
+            )
             # After every data message of the same trigger; the chunk breaks ties between pairs.
-            key = (*late, len(when) + layout.stage_chunk[s])
-            per_rank[rank_of[s]].append((key, ("sync", instr, trigger)))
-            per_rank[rank_of[r]].append((key, ("sync", other, other_trigger)))
-    by_key = itemgetter(0)
-    return [[entry for _, entry in sorted(keyed, key=by_key)] for keyed in per_rank]
+            key = (*late, len(position) + layout.stage_chunk[s])
+            per_rank[rank_of[s]].append((key, "sync", instr, trigger))
+            per_rank[rank_of[r]].append((key, "sync", other, other_trigger))
+    for entries in per_rank:
+        entries.sort(key=_by_key)
+    return per_rank
+
+
+_by_key = itemgetter(0)
 
 
 Crossing = tuple[tuple[Op, int, int, Op, Op], ...]
@@ -149,7 +152,7 @@ def _merge(order: Sequence[Instr], msgs: Sequence[Entry]) -> Program:
     index.update(((i.op, i.stage, i.mb), k) for k, i in enumerate(order) if i.op in COMPUTE_OPS)
     # need[k]: the last message position that compute k must wait behind (its receives).
     need = [-1] * len(order)
-    for j, (kind, _, node) in enumerate(msgs):
+    for j, (_, kind, _, node) in enumerate(msgs):
         if kind == "recv":
             need[index[node]] = j
     # An OVERLAP pair starts as one unit: the inputs of both its ops come before the marker.
@@ -162,7 +165,7 @@ def _merge(order: Sequence[Instr], msgs: Sequence[Entry]) -> Program:
     # is out, a receive once the next compute op needs it (or none is left).
     out: list[Instr] = []
     ci, n = 0, len(order)
-    for j, (kind, instr, node) in enumerate(msgs):
+    for j, (_, kind, instr, node) in enumerate(msgs):
         start = ci
         if kind == "recv":
             while ci < n and need[ci] < j:

@@ -11,6 +11,7 @@ import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 
 from codegen.render import dump_json
 from passes.costs import CostModel
@@ -20,8 +21,9 @@ from passes.placement import place
 from passes.registry import Request, build_schedule, family
 from passes.residency import check_stash_bytes
 from passes.simulate import Played, SimResult, play, simulate
-from passes.verify import verify
-from pipec.ir import Compiled, PipecError, Schedule
+from passes.verify import check_execution, verify
+from pipec.beside import beside
+from pipec.ir import Compiled, PipecError, Schedule, instruction_count
 
 PLAN_FORMAT = "pipec.plan/1"
 UNIT_COSTS = CostModel()  # F=B=W=1, comm 0: the default (a frozen value, shared)
@@ -124,9 +126,13 @@ def package(
 ) -> CompileResult:
     """Simulate and verify lowered programs and make their plan (also hand-written programs)."""
     costs, limit = opts.costs, opts.memory_limit
-    sim = simulate(compiled.layout, compiled.programs, costs, played)
     stashes_limit = None if opts.limit_in_bytes else limit
-    verify(compiled, costs, [r.peak_activations for r in sim.ranks], stashes_limit)
+    # Invariants 2-3 (the blocking execution) need no simulation: on a large compile they are
+    # checked on the other core while this one simulates and checks the rest.
+    with beside(partial(check_execution, compiled), instruction_count(compiled)):
+        sim = simulate(compiled.layout, compiled.programs, costs, played)
+        peaks = [r.peak_activations for r in sim.ranks]
+        verify(compiled, costs, peaks, stashes_limit, execution=False)
     if opts.limit_in_bytes:
         check_stash_bytes(sim, limit)
     plan = {

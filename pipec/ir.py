@@ -268,6 +268,11 @@ class Compiled:
         return len(self.programs)
 
 
+def instruction_count(compiled: Compiled) -> int:
+    """How many instructions the programs hold: the size of every pass's work."""
+    return sum(map(len, compiled.programs))
+
+
 _KINDS_SEEN: dict[int, tuple[object, frozenset[Op]]] = {}
 
 
