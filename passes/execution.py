@@ -79,7 +79,8 @@ def check_execution(compiled: Compiled) -> None:
     reaching it, completes the pair (checking both halves) and resumes the rank. The loop runs
     once per instruction of 10^5-10^6: well-formed sends and receives take an inline path
     (tuples, no Instr built); anything else goes through `_message`, which also words errors.
-    Compute ops are taken to be work-graph ops (invariant 1, `check_coverage`).
+    A compute op whose stage the layout lacks is refused; that each op appears once, on its
+    rank, is invariant 1's part (`check_coverage`).
     """
     layout, programs = compiled.layout, compiled.programs
     recompute = uses_recompute(programs)
@@ -104,9 +105,13 @@ def check_execution(compiled: Compiled) -> None:
             op = instr.op
             if op in compute_ops:
                 stage, mb = instr.stage, instr.mb
-                for dep_op, dep_stage in table[op][stage]:
-                    if dep_op is None:
-                        dep_op = op if mixed is None else upstream_backward(op, dep_stage, mb, mixed)
+                try:
+                    inputs = table[op][stage]
+                except (IndexError, TypeError):  # check_coverage words this first in verify
+                    raise VerifyError(f"{at(r, k, instr)}: not an op of the work graph") from None
+                for dep_op, dep_stage in inputs:
+                    if dep_op is None:  # the upstream backward: the same kind unless mixed
+                        dep_op = upstream_backward(op, dep_stage, mb, mixed)
                     if (dep_op, dep_stage, mb) not in avail:
                         raise _missing_input(r, k, instr, (dep_op, dep_stage, mb), rank_of)
                 avail.add((op, stage, mb))

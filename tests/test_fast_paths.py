@@ -13,7 +13,11 @@ from tests.helpers import run
 
 @pytest.mark.parametrize(
     "name, p, m, costs",
-    [("1f1b", 4, 8, ""), ("zb-h1", 4, 8, "F=18.522,B=18.086,W=9.337,comm=0.601"), ("dualpipe", 4, 8, "")],
+    [
+        ("1f1b", 4, 8, ""),
+        ("zb-h1", 4, 8, "F=18.522,B=18.086,W=9.337,comm=0.601"),
+        ("dualpipe", 4, 8, ""),
+    ],
 )
 def test_timeline_json_holds_the_trace_events(name, p, m, costs):
     sim = run(name, p, m, costs=costs).sim
@@ -62,4 +66,18 @@ def test_a_send_before_its_producer_is_caught():
     with pytest.raises(
         VerifyError, match=r"rank 0, instruction 0 \(SEND_ACT s=0 mb=0 to=1\): sends what"
     ):
+        check_execution(broken)
+
+
+@pytest.mark.parametrize("stage", [99, None])
+def test_execution_alone_refuses_a_stage_the_layout_lacks(stage):
+    from dataclasses import replace
+
+    from passes.execution import check_execution
+    from passes.verify import VerifyError
+
+    compiled = run("1f1b", 2, 2).compiled
+    first = (Instr(Op.F, stage, 0), *compiled.programs[0])
+    broken = replace(compiled, programs=(first, *compiled.programs[1:]))
+    with pytest.raises(VerifyError, match=r"rank 0, instruction 0 .*: not an op of the work graph"):
         check_execution(broken)
