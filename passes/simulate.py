@@ -185,9 +185,9 @@ def play(
             stage, mb = instr.stage, instr.mb
             blocked, start = _inputs_in(table[op][stage], op, mb, fused, times, delay_r, t)
             if blocked is None and pairs and k in pairs:  # a pair waits for both ops' inputs
-                second = order[k + 1]
-                deps = table[second.op][second.stage]
-                blocked, start = _inputs_in(deps, second.op, second.mb, fused, times, delay_r, start)
+                nxt = order[k + 1]
+                deps = table[nxt.op][nxt.stage]
+                blocked, start = _inputs_in(deps, nxt.op, nxt.mb, fused, times, delay_r, start)
             if blocked is None and moves.pending:
                 gate = moves.gate(r, instr)
                 if gate is not None:
@@ -228,7 +228,7 @@ def _inputs_in(
     message delay from stage s to this rank."""
     for dep_op, dep_stage in deps:
         if dep_op is None:
-            dep_op = op if fused is None else upstream_backward(op, dep_stage, mb, fused)
+            dep_op = upstream_backward(op, dep_stage, mb, fused)
         finished = times.get((dep_op, dep_stage, mb))
         if finished is None:
             return (dep_op, dep_stage, mb), start
