@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -70,21 +71,61 @@ def train(
     watchdog: Watchdog,
     on_step: Callable[[int, float, StepTrace], None] | None = None,
 ) -> list[StepTrace]:
-    """Run the program `steps` times; after each, `on_step(step, mean loss, trace)`."""
-    traces = []
+    """Run the program `steps` times; after each, `on_step(step, mean loss, trace)`.
+
+    The only collectives are the barrier before each step and the loss sum after it. The sum
+    is asynchronous and awaited after the next barrier, so a rank that stops between steps is
+    met in the barrier, which names it, never in the sum, where nobody could.
+    """
+    traces: list[StepTrace] = []
+    pending: tuple[torch.Tensor, dist.Work] | None = None
+
+    def finish_step() -> None:
+        total, work = pending
+        work.wait()
+        loss_sum, count = total.tolist()
+        if on_step:
+            on_step(len(traces) - 1, loss_sum / count if count else float("nan"), traces[-1])
+
     for step in range(steps):
-        dist.barrier()  # every step starts together: one clock origin for all ranks
-        trace = run_program(rt, handlers, watchdog)
-        traces.append(trace)
+        # Every step starts together: one clock origin for all ranks.
+        step_barrier(f"before step {step + 1}", watchdog.timeout)
+        if pending:
+            finish_step()
+        traces.append(run_program(rt, handlers, watchdog))
         total = torch.tensor(
             [sum(rt.losses.values()), len(rt.losses)], dtype=torch.float64, device=rt.device
         )
-        dist.all_reduce(total)
         rt.losses.clear()
-        loss_sum, count = total.tolist()
-        if on_step:
-            on_step(step, loss_sum / count if count else float("nan"), trace)
+        pending = total, dist.all_reduce(total, async_op=True)
+    step_barrier("after the last step", watchdog.timeout)
+    finish_step()
     return traces
+
+
+# Rank 0 gives up on the barrier this much sooner than the others give up on rank 0, so that
+# it is the one to report, naming the ranks that never arrived.
+BARRIER_SHARE = 0.75
+_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
+def step_barrier(where: str, timeout: float) -> None:
+    """Wait until every rank is here; on gloo, a rank that is not says which ranks are missing."""
+    if dist.get_backend() != "gloo":
+        dist.barrier()
+        return
+    wait = timeout * BARRIER_SHARE if dist.get_rank() == 0 else timeout
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=wait), wait_all_ranks=True)
+    except RuntimeError as e:
+        missing = _MISSING.search(str(e))
+        if not missing:
+            raise
+        ranks = missing[1].strip().rstrip(",")
+        which = "rank" if "," not in ranks else "ranks"
+        raise RuntimeError(
+            f"{which} {ranks} did not reach the barrier {where} in {wait:g} s"
+        ) from None
 
 
 def main(

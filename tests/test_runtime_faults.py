@@ -8,6 +8,7 @@ way, kill (SIGKILL) or freeze (SIGSTOP) rank 2 from outside, as a crash or a han
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import re
 import signal
@@ -23,7 +24,7 @@ from pipec.build_dir import emit, load
 from pipec.ir import Op, PipecError
 from pipec.model import compile_model
 from runtime.interpreter import HANDLERS, check_program
-from runtime.main import main
+from runtime.main import BARRIER_SHARE, main, step_barrier
 from runtime.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,6 +142,40 @@ def test_a_dead_or_hung_rank_stops_every_rank_with_a_message(build, fault):
             os.kill(victim, signal.SIGKILL)
         code = run.finish(timeout=60)
     assert code != 0
+
+
+def _barrier_rank(rank: int, where: str) -> None:
+    """One rank of `test_a_rank_missing_from_the_step_barrier_is_named`; rank 2 never arrives."""
+    dist.init_process_group("gloo", init_method=f"file://{where}/store", rank=rank, world_size=3)
+    if rank == 2:
+        time.sleep(2 * BARRIER_TIMEOUT_S)
+    else:
+        try:
+            step_barrier("before step 3", BARRIER_TIMEOUT_S)
+            outcome = "passed"
+        except RuntimeError as e:
+            outcome = str(e)
+        Path(f"{where}/{rank}").write_text(outcome)
+    os._exit(0)  # the group is broken: skip its teardown
+
+
+BARRIER_TIMEOUT_S = 2.0
+
+
+def test_a_rank_missing_from_the_step_barrier_is_named(tmp_path):
+    """Between steps no rank waits on a peer's message, so the barrier itself names the missing
+    rank: rank 0 gives up first (`BARRIER_SHARE` of the timeout) and says who did not come."""
+    ctx = mp.get_context("fork")  # the parent has no process group: nothing to inherit
+    procs = [ctx.Process(target=_barrier_rank, args=(r, str(tmp_path))) for r in range(3)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+    wait = BARRIER_TIMEOUT_S * BARRIER_SHARE
+    assert (tmp_path / "0").read_text() == (
+        f"rank 2 did not reach the barrier before step 3 in {wait:g} s"
+    )
+    assert (tmp_path / "1").read_text() != "passed"
 
 
 def _refused(
