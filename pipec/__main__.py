@@ -1,5 +1,5 @@
 """`python -m pipec` runs the CLI."""
 
-from pipec.cli import main
+from pipec.cli import run
 
-main()
+run()

@@ -1,12 +1,17 @@
 """The CLI: outputs, determinism, atomic writes, and one-line errors with exit code 2."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from pipec.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli_run(*args: str) -> int:
@@ -25,8 +30,14 @@ def test_compile_writes_the_build_directory(tmp_path):
     compile_to(tmp_path / "b")
     names = sorted(p.name for p in (tmp_path / "b").iterdir())
     assert names == [
-        "plan.json", "rank_000.pipe", "rank_001.pipe", "rank_002.pipe", "rank_003.pipe",
-        "schedule.svg", "stats.json", "timeline.json",
+        "plan.json",
+        "rank_000.pipe",
+        "rank_001.pipe",
+        "rank_002.pipe",
+        "rank_003.pipe",
+        "schedule.svg",
+        "stats.json",
+        "timeline.json",
     ]
     stats = json.loads((tmp_path / "b/stats.json").read_text())
     assert stats["makespan"] == 33 and stats["ranks"][0]["peak_activations"] == 4
@@ -63,6 +74,25 @@ def test_schedules_lists_families(capsys):
     out = capsys.readouterr().out
     for name in ("gpipe", "1f1b", "1f1b-r", "interleaved"):
         assert name in out
+
+
+def test_the_pipec_command_exits_with_the_commands_code_and_its_output_flushed(tmp_path):
+    """`python -m pipec` (the console script's `run`) leaves through os._exit: what the
+    command printed and wrote must all be there, and its exit code must be the command's."""
+
+    def pipec(*args: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        cmd = [sys.executable, "-m", "pipec", *args]
+        return subprocess.run(
+            cmd, check=False, capture_output=True, text=True, env=env, cwd=tmp_path
+        )
+
+    ok = pipec("compile", "-s", "1f1b", "-p", "4", "-m", "8", "-o", "b")
+    assert ok.returncode == 0 and ok.stdout.startswith("wrote b/: 4 rank programs"), ok
+    assert json.loads((tmp_path / "b/stats.json").read_text())["makespan"] == 33
+    bad = pipec("compile", "-s", "1f1b", "-p", "4", "-m", "8", "-o", "b")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--force" in bad.stderr
+    assert pipec("--help").returncode == 0
 
 
 @pytest.mark.parametrize(
