@@ -49,7 +49,7 @@ class EvictionPlanner:
     def __init__(self, compiled: Compiled, costs: CostModel, in_bytes: bool = False) -> None:
         layout, programs = compiled.layout, compiled.programs
         recompute = uses_recompute(programs)
-        times, _ = play(layout, programs, costs)
+        times = play(layout, programs, costs).times
         weight = stash_weights(layout, costs, in_bytes)
         self.compiled, self.layout, self.in_bytes = compiled, layout, in_bytes
         self.ranks = [

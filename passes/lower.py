@@ -47,7 +47,7 @@ def messages(schedule: Schedule, played: Played) -> list[list[Entry]]:
     """Each rank's part in every cross-rank data edge and replica all-reduce, in global
     message order (sorted rank by rank: the order of a rank's entries is all it needs)."""
     layout = schedule.layout
-    times, done_order = played
+    times, done_order, _ = played
     # A data message's key: its producer's (end, completion position). The sort is stable and
     # messages are made in the consumers' completion order, which breaks the remaining ties.
     position = dict(zip(done_order, range(len(done_order))))

@@ -116,7 +116,13 @@ def uses_recompute(programs: Sequence[Sequence[Instr]]) -> bool:
     return Op.RECOMPUTE in op_kinds(programs)
 
 
-Played = tuple[dict[Node, tuple[float, float]], list[Node]]
+class Played(NamedTuple):
+    """What `play` found: each compute op's (start, end), the order the ops completed in, and
+    each rank's compute ops as timeline slots, in program order."""
+
+    times: dict[Node, tuple[float, float]]
+    done_order: list[Node]
+    slots: list[list[Slot]]
 
 
 def overlap_starts(program: Sequence[Instr]) -> set[int]:
@@ -156,6 +162,7 @@ def play(
     paired = [overlap_starts(prog) if overlaps else set() for prog in programs]
     times: dict[Node, tuple[float, float]] = {}
     done_order: list[Node] = []
+    slots: list[list[Slot]] = [[] for _ in compute]
     waiting: dict[object, list[int]] = {}
     pos = [0] * len(compute)
     clock = [0.0] * len(compute)
@@ -171,10 +178,11 @@ def play(
     ]
     table = dependency_table(layout, recompute)  # read inline: this loop is the hot path
     memory_ops = MEMORY_OPS
+    new = tuple.__new__  # Slot(...) runs Python code; this makes the same tuple in C
     while ready:
         r = ready.pop()
         order, k, t = compute[r], pos[r], clock[r]
-        pairs, delay_r, end = paired[r], delay[r], len(order)
+        pairs, delay_r, end, slots_r = paired[r], delay[r], len(order), slots[r]
         while k < end:
             instr = order[k]
             op = instr.op
@@ -203,6 +211,7 @@ def play(
             node = (op, stage, mb)
             times[node] = (start, t)
             done_order.append(node)
+            slots_r.append(new(Slot, (instr, start, t)))
             if node in waiting:
                 ready.extend(waiting.pop(node))
             k += 1
@@ -211,7 +220,7 @@ def play(
     if stuck:
         where = "; ".join(f"rank {r} at {compute[r][pos[r]]}" for r in stuck[:4])
         raise PipecError(f"the schedule cannot finish (a dependency cycle): {where}")
-    return times, done_order
+    return Played(times, done_order, slots)
 
 
 def _inputs_in(
@@ -292,14 +301,12 @@ def simulate(
     """
     recompute = uses_recompute(programs)
     moves = Transfers(layout, costs, recompute)
-    times, _ = played or play(layout, programs, costs, moves)
+    times, _, played_slots = played or play(layout, programs, costs, moves)
     synced = sync_times(layout, programs, times, costs)
     by_chunk = measured_inputs(costs) if recompute else None
     timeline, ranks = [], []
     for r, prog in enumerate(programs):
-        slots = tuple(
-            Slot(i, *times[(i.op, i.stage, i.mb)]) for i in prog if i.op in COMPUTE_OPS
-        )
+        slots = tuple(played_slots[r])
         busy = sum(s.end - s.start for s in slots)
         span = slots[-1].end - slots[0].start if slots else 0.0
         peak = max([0.0, *activation_profile(prog, layout, costs, recompute)])
