@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
-import networkx as nx
+if TYPE_CHECKING:
+    import networkx as nx
 
 FORMAT_VERSION = 1
 
@@ -386,7 +388,11 @@ def work_graph(layout: Layout, split_bw: bool, recompute: bool = False) -> nx.Di
     """The work graph: one node per compute op (op, stage, mb), edges for data dependencies.
 
     With `split_bw`, the backward is B then W; without, one fused BW node per (stage, mb).
+    The passes read the same edges from `dependency_table`; networkx (a tenth of a second to
+    import) is loaded only here.
     """
+    import networkx as nx
+
     g = nx.DiGraph()
     kinds = [Op.F, Op.B, Op.W] if split_bw else [Op.F, Op.BW]
     if recompute:
