@@ -144,6 +144,9 @@ def test_a_dead_or_hung_rank_stops_every_rank_with_a_message(build, fault):
     assert code != 0
 
 
+BARRIER_TIMEOUT_S = 2.0
+
+
 def _barrier_rank(rank: int, where: str) -> None:
     """One rank of `test_a_rank_missing_from_the_step_barrier_is_named`; rank 2 never arrives."""
     dist.init_process_group("gloo", init_method=f"file://{where}/store", rank=rank, world_size=3)
@@ -157,9 +160,6 @@ def _barrier_rank(rank: int, where: str) -> None:
             outcome = str(e)
         Path(f"{where}/{rank}").write_text(outcome)
     os._exit(0)  # the group is broken: skip its teardown
-
-
-BARRIER_TIMEOUT_S = 2.0
 
 
 def test_a_rank_missing_from_the_step_barrier_is_named(tmp_path):
