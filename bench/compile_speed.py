@@ -8,6 +8,10 @@ above the wall time where both cores worked), and the time per compute op,
 whose flatness shows growth linear in p·m. With
 `--check`, exits 1 unless the largest shape (p=64, m=1024) takes at most `--target` seconds
 in all (issue 2's target: 2 s for 1f1b on a quiet 2-core machine).
+
+The machine's own speed moves by up to 2x on this shared host from one hour to the next, so
+the bench also times a fixed pure-Python loop before and after the table: compare runs only
+when their reference times agree.
 """
 
 from __future__ import annotations
@@ -53,6 +57,16 @@ def measure(schedule: str, p: int, m: int, repeat: int) -> tuple[float, float, f
     return statistics.median(compile_s), statistics.median(emit_s), statistics.median(cpu_s)
 
 
+def reference_loop() -> float:
+    """Seconds for 10^7 additions in a Python loop: the speed of this machine right now, in
+    the kind of work a compile does (bytecode, no I/O, no allocation to speak of)."""
+    t0 = time.perf_counter()
+    total = 0
+    for i in range(10_000_000):
+        total += i
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", default="1f1b")
@@ -61,6 +75,7 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=2.0, help="seconds, compile + emit")
     args = ap.parse_args()
     print(f"schedule {args.schedule}, median of {args.repeat} runs")
+    print(f"reference loop before: {reference_loop():.3f} s")
     head = ("p", 4), ("m", 6), ("ops", 8), ("compile s", 10), ("emit s", 8), ("total s", 8)
     print(" ".join(f"{name:>{w}}" for name, w in (*head, ("µs/op", 7), ("cpu s", 6))))
     for p, m in SHAPES:
@@ -69,6 +84,7 @@ def main() -> None:
         per_op = 1e6 * (c + e) / ops
         row = f"{p:>4} {m:>6} {ops:>8} {c:>10.3f} {e:>8.3f} {c + e:>8.3f}"
         print(f"{row} {per_op:>7.1f} {cpu:>6.3f}")
+    print(f"reference loop after: {reference_loop():.3f} s")
     if args.check:
         verdict = "met" if c + e <= args.target else "MISSED"
         print(f"target {args.target:g} s at p={p}, m={m}: {verdict} ({c + e:.3f} s)")
