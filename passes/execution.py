@@ -157,9 +157,8 @@ def check_execution(compiled: Compiled) -> None:
                 pos[q] += 1
                 k = pos[r]
                 ready.add(q)  # the peer was blocked here (or gets here next): it goes on
-            elif op is Op.OPTIMIZER_STEP:
-                if k != end - 1:
-                    raise VerifyError(f"{at(r, k, instr)}: OPTIMIZER_STEP must come last")
+            elif op is Op.OPTIMIZER_STEP and k != end - 1:
+                raise VerifyError(f"{at(r, k, instr)}: OPTIMIZER_STEP must come last")
             k += 1
         pos[r] = k
     stuck = [r for r in range(n) if pos[r] < len(programs[r])]

@@ -21,7 +21,7 @@ class Request:
     p: int
     m: int
     v: int
-    costs: CostModel = CostModel()
+    costs: CostModel = CostModel()  # noqa: RUF009 - frozen: one shared default is safe
     memory_limit: float | None = None
 
 

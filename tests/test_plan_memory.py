@@ -2,12 +2,12 @@
 
 import pytest
 
+from codegen.render import format_bytes
 from passes.registry import Request, build_schedule, family
 from pipec.compile import compile_schedule
 from pipec.ir import PipecError
 from pipec.plan.candidates import cost_model
 from pipec.plan.facts import FBW, Chunks
-from codegen.render import format_bytes
 from pipec.plan.memory import optimizer_bytes, parse_bytes, rank_memory
 
 

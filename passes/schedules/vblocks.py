@@ -141,8 +141,7 @@ def start_times(
                     waiting[dep[0]][dep[1]].append(r)
                     break
                 arrive = theirs[len(done)] + (comm if dep[0] != r else 0)
-                if arrive > t:
-                    t = arrive
+                t = max(t, arrive)
             starts.append(t)
             t += cost[kind]
             done.append(t)

@@ -38,31 +38,33 @@ def reorder_warmup(orders: Orders, m: int, tops: list[int]) -> Orders:
     once the f run out). The multiset before the first b is unchanged, so is the memory there.
     """
     p = len(orders)
-    out = []
-    for r, row in enumerate(orders):
-        cut = row.index("b")
-        have = {k: row[:cut].count(k) for k in "FfBW"}
-        used = dict.fromkeys("FfBW", 0)
-        n_f1 = min(r + 1, tops[r] // 2, m)
-        limit = {"F": min(tops[r] - n_f1, m), "f": n_f1, "B": m, "W": m}
-        new: list[str] = []
+    return [_warmup(row, r, p, m, tops[r]) for r, row in enumerate(orders)]
 
-        def put(kind: str, capped: bool = True) -> None:
-            if used[kind] < have[kind] and (not capped or used[kind] < limit[kind]):
-                new.append(kind)
-                used[kind] += 1
 
-        for _ in range(2 * (p - 1 - r)):
-            put("F")
-        for _ in range(r + 1):
-            put("F")
-            put("f")
-        while any(used[k] < have[k] for k in "FfBW"):
-            put("B", False)
-            put("W", False)
-            put("f" if used["f"] < have["f"] else "F", False)
-        out.append(new + row[cut:])
-    return out
+def _warmup(row: list[str], r: int, p: int, m: int, top: int) -> list[str]:
+    """Rank r's row with its passes before the first b reordered (see reorder_warmup)."""
+    cut = row.index("b")
+    have = {k: row[:cut].count(k) for k in "FfBW"}
+    used = dict.fromkeys("FfBW", 0)
+    n_f1 = min(r + 1, top // 2, m)
+    limit = {"F": min(top - n_f1, m), "f": n_f1, "B": m, "W": m}
+    new: list[str] = []
+
+    def put(kind: str, capped: bool = True) -> None:
+        if used[kind] < have[kind] and (not capped or used[kind] < limit[kind]):
+            new.append(kind)
+            used[kind] += 1
+
+    for _ in range(2 * (p - 1 - r)):
+        put("F")
+    for _ in range(r + 1):
+        put("F")
+        put("f")
+    while any(used[k] < have[k] for k in "FfBW"):
+        put("B", False)
+        put("W", False)
+        put("f" if used["f"] < have["f"] else "F", False)
+    return new + row[cut:]
 
 
 def rebuild_cooldown(grid: list[list[str]], m: int) -> Orders | None:
@@ -84,9 +86,9 @@ def rebuild_cooldown(grid: list[list[str]], m: int) -> Orders | None:
             elif row[j] == "b" and taken["b"] < max_b1:
                 row[j], taken["b"] = " ", taken["b"] + 1
         for j in range(len(row) - 1, -1, -1):
-            if taken["W"] >= taken["B"] and taken["w"] >= taken["b"]:
-                if taken["W"] + taken["w"] >= top:
-                    break
+            done_w = taken["W"] >= taken["B"] and taken["w"] >= taken["b"]
+            if done_w and taken["W"] + taken["w"] >= top:
+                break
             if row[j] in "Ww":
                 taken[row[j]] += 1
                 row[j] = " "

@@ -115,9 +115,12 @@ class _Greedy:
         more if the wait is longer than the largest bubble allows (or `greedy` says so)."""
         while self.pending_w(stage) and self.end[stage] + self.cost(Op.W, stage) <= arrive:
             self.put(stage, Op.W)
-        if self.pending_w(stage) and self.end[stage] < arrive:
-            if arrive - self.end[stage] > max(self.bubble) - self.bubble[stage] or greedy:
-                self.put(stage, Op.W)
+        if (
+            self.pending_w(stage)
+            and self.end[stage] < arrive
+            and (greedy or arrive - self.end[stage] > max(self.bubble) - self.bubble[stage])
+        ):
+            self.put(stage, Op.W)
 
     def span(self) -> float:
         """The longest stage span (first F start to last W end): the papers' iteration time."""

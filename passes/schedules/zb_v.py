@@ -117,9 +117,12 @@ class _Greedy:
         while self.pending[r] and arrive >= self.clock[r] + w_cost:
             self.put_w(r)
             w_cost = self.dur[r][self.pending[r][0]] if self.pending[r] else 0.0
-        if self.pending[r] and arrive - self.clock[r] > self.largest_bubble(r) - self.bubble[r]:
-            if policy:
-                self.put_w(r)
+        if (
+            self.pending[r]
+            and arrive - self.clock[r] > self.largest_bubble(r) - self.bubble[r]
+            and policy
+        ):
+            self.put_w(r)
 
     def make_room(self, r: int, kind: str) -> None:
         while self.mem[r] + self.delta[kind] > self.cap + _EPS:

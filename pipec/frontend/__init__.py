@@ -16,8 +16,6 @@ from pipec.frontend.spec import (
 )
 
 __all__ = [
-    "next_token_loss",
-    "token_model_spec",
     "DEFAULT_FLOPS_PER_S",
     "DEFAULT_SEED",
     "Costs",
@@ -30,5 +28,7 @@ __all__ = [
     "build_stages",
     "load_factory",
     "measure_stash_bytes",
+    "next_token_loss",
     "split_model",
+    "token_model_spec",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from codegen.render import format_bytes
 from passes.topology import Topology, make_topology
 from pipec.ir import PipecError
 from pipec.plan.candidates import (
@@ -21,7 +22,6 @@ from pipec.plan.candidates import (
     strategy_names,
 )
 from pipec.plan.facts import ModelProfile
-from codegen.render import format_bytes
 
 LINK_EXAMPLE = "--link intra=450e9:5e-6,inter=50e9:1e-5"
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from codegen.render import format_bytes
 from passes.topology import Link
 from pipec.plan.candidates import Evaluated
 from pipec.plan.driver import Plan
-from codegen.render import format_bytes
 
 
 @dataclass(frozen=True)
