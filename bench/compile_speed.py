@@ -10,8 +10,8 @@ whose flatness shows growth linear in p·m. With
 in all (issue 2's target: 2 s for 1f1b on a quiet 2-core machine).
 
 The machine's own speed moves by up to 2x on this shared host from one hour to the next, so
-the bench also times a fixed pure-Python loop before and after the table: compare runs only
-when their reference times agree.
+the bench also times a fixed pure-Python loop before and after the table: a rough gauge of
+how fast the host was during the run (it uses one core; a compile uses two).
 """
 
 from __future__ import annotations

@@ -111,7 +111,10 @@ def check_execution(compiled: Compiled) -> None:
                     raise VerifyError(f"{at(r, k, instr)}: not an op of the work graph") from None
                 for dep_op, dep_stage in inputs:
                     if dep_op is None:  # the upstream backward: the same kind unless mixed
-                        dep_op = op if mixed is None else upstream_backward(op, dep_stage, mb, mixed)
+                        if mixed is not None:
+                            dep_op = upstream_backward(op, dep_stage, mb, mixed)
+                        else:
+                            dep_op = op
                     if (dep_op, dep_stage, mb) not in avail:
                         raise _missing_input(r, k, instr, (dep_op, dep_stage, mb), rank_of)
                 avail.add((op, stage, mb))
