@@ -9,7 +9,7 @@ whose flatness shows growth linear in p·m. With
 `--check`, exits 1 unless the largest shape (p=64, m=1024) takes at most `--target` seconds
 in all (issue 2's target: 2 s for 1f1b on a quiet 2-core machine).
 
-The machine's own speed moves by up to 2x on this shared host from one hour to the next, so
+The machine's own speed moves by up to 3x on this shared host within the hour, so
 the bench also times a fixed pure-Python loop before and after the table: a rough gauge of
 how fast the host was during the run (it uses one core; a compile uses two).
 """
