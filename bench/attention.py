@@ -85,7 +85,8 @@ def main() -> int:
                 theirs = tflops(sdpa_flash, seq, is_causal, mode)
                 ratio = ours / theirs
                 print(
-                    f"{is_causal!s:>6} {seq:>6} {mode:>8} {ours:>8.1f} {theirs:>10.1f} {ratio:>6.2f}"
+                    f"{is_causal!s:>6} {seq:>6} {mode:>8} {ours:>8.1f} {theirs:>10.1f} "
+                    f"{ratio:>6.2f}"
                 )
     return 0
 

@@ -97,7 +97,8 @@ def print_table(results: list[dict], p: int, m: int) -> None:
         ]
         ours = r["label"] if "torch_label" not in r else f"**{r['label']}**"
         print(
-            f"| {r['model']} | {ours} | {r.get('torch_label', r['label'])} | {med['pipec_ms']:.1f} | "
+            f"| {r['model']} | {ours} | {r.get('torch_label', r['label'])} | "
+            f"{med['pipec_ms']:.1f} | "
             f"{med['torch_ms']:.1f} | {statistics.median(ratios):.2f} ({lo:.2f}-{hi:.2f}) | "
             f"{med['pipec_cpu_ms']:.0f} / {med['torch_cpu_ms']:.0f} | "
             f"{r['first_loss'][0]:.4f} / {r['first_loss'][1]:.4f} | {peaks[0]} / {peaks[1]} |"

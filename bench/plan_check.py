@@ -104,7 +104,8 @@ def run_worker(p: int, *args: str) -> None:
     if proc.returncode:
         raise SystemExit(f"plan_check: the torchrun launch failed:\n{proc.stderr[-3000:]}")
     print(
-        f"  (load average {before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores)"
+        f"  (load average {before:.1f} before, {os.getloadavg()[0]:.1f} after, "
+        f"on {os.cpu_count()} cores)"
     )
 
 

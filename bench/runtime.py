@@ -135,7 +135,8 @@ def main() -> None:
         )
         print(
             f"| {p} | {threads(p)} | {sim['makespan_ms']:.1f} | {med['makespan_ms']:.1f} "
-            f"({min(spread):.1f}-{max(spread):.1f}) | {med['makespan_ms'] / sim['makespan_ms']:.2f} "
+            f"({min(spread):.1f}-{max(spread):.1f}) | "
+            f"{med['makespan_ms'] / sim['makespan_ms']:.2f} "
             f"| {rep:.1f} | {med['makespan_ms'] / rep:.2f} | {bound:.1f} | "
             f"{med['iteration_ms']:.1f} | {sim['bubble']:.3f} / {med['bubble']:.3f} | "
             f"{overhead:.1f} |"

@@ -2,16 +2,17 @@
 
     torchrun --standalone --nproc-per-node P bench/torch_peer.py CASES.json RESULTS.json
 
-A case is a pipec build (programs plus the model plan) and a torch schedule class with the
-pipec build of that class's order (the same build when pipec runs torch's order). Both runtimes get the same stage modules (`build_stages` of the
-build's plan: same partition, same seed), the same micro-batches (`runtime.data`), AdamW with
-the same learning rate and the same torch threads, inside one process group. Steps alternate,
-pipec then torch, each after a barrier; an iteration is one step including the optimizer step,
-timed on every rank and taken as the slowest rank's; its CPU time (every thread, summed over
-ranks) is the work it did, which load on the machine disturbs less than wall time. Memory is each runtime's peak of live
-saved activations (each storage once, parameters excluded): pipec's own meter (stash plus
-W-pending bytes) and, for torch, the same count taken by saved-tensor hooks in the warm-up
-steps only, so that the hooks' cost stays out of torch's timed steps.
+A case is a pipec build (programs plus the model plan) and a torch schedule class with the pipec
+build of that class's order (the same build when pipec runs torch's order). Both runtimes get
+the same stage modules (`build_stages` of the build's plan: same partition, same seed), the same
+micro-batches (`runtime.data`), AdamW with the same learning rate and the same torch threads,
+inside one process group. Steps alternate, pipec then torch, each after a barrier; an iteration
+is one step including the optimizer step, timed on every rank and taken as the slowest rank's;
+its CPU time (every thread, summed over ranks) is the work it did, which load on the machine
+disturbs less than wall time. Memory is each runtime's peak of live saved activations (each
+storage once, parameters excluded): pipec's own meter (stash plus W-pending bytes) and, for
+torch, the same count taken by saved-tensor hooks in the warm-up steps only, so that the hooks'
+cost stays out of torch's timed steps.
 """
 
 from __future__ import annotations

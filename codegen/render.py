@@ -121,7 +121,10 @@ def render_svg(sim: SimResult, title: str) -> str:
     n_ops = sum(len(slots) for slots in sim.timeline)
     per_pixel = n_ops > SVG_MAX_BOXES
     if per_pixel:
-        title += f" ({n_ops} ops, drawn per pixel column: its busiest op kind; timeline.json has each op)"
+        title += (
+            f" ({n_ops} ops, drawn per pixel column: its busiest op kind; "
+            "timeline.json has each op)"
+        )
     boxes = []
     for rank, slots in enumerate(sim.timeline):
         y = top + rank * ROW_HEIGHT
@@ -200,7 +203,8 @@ def _pixel_boxes(slots: Sequence[Slot], y: int, h: int, scale: float) -> list[st
 
 def _pixel_run(run: list, y: int, h: int) -> str:
     first, last, kind = run
-    return f'<rect class="{kind}" x="{LEFT + first}" y="{y}" width="{last - first + 1}" height="{h}"/>'
+    width = last - first + 1
+    return f'<rect class="{kind}" x="{LEFT + first}" y="{y}" width="{width}" height="{h}"/>'
 
 
 def format_bytes(n: float) -> str:
@@ -232,7 +236,8 @@ def terminal_gantt(sim: SimResult, width: int = 100) -> str:
                 row[c] = letters.get(slot.instr.op.value, "?")
         lines.append(f"rank {rank:>3} |{''.join(row)}|")
     legend = "F forward, B input-grad backward, W weight-grad, X fused B+W, R recompute, . idle"
-    return "\n".join(lines + [f"{'':9}0{'':{cols - 1 - len(f'{sim.makespan:g}')}}{sim.makespan:g}", legend])
+    end = f"{sim.makespan:g}"
+    return "\n".join(lines + [f"{'':9}0{'':{cols - 1 - len(end)}}{end}", legend])
 
 
 def measured_table(stats: dict) -> str:

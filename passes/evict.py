@@ -165,7 +165,8 @@ class EvictionPlanner:
                 continue
             if ac.peak > limit + EPS:
                 raise Infeasible(
-                    f"rank {a} holds {self.amount(ac.peak)} of its own, so it cannot take rank {e}'s"
+                    f"rank {a} holds {self.amount(ac.peak)} of its own, "
+                    f"so it cannot take rank {e}'s"
                 )
             if now is not self.compiled:  # against the programs with earlier pairs' moves in
                 knows = knowledge(now, keys, e, a)

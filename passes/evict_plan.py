@@ -129,7 +129,8 @@ def plan_evictor(e: RankView, limit: float, size: Sequence[float], tau: float) -
             later = [x for x in due if e.use[x] > g]
             if not later:
                 raise Infeasible(
-                    f"rank {e.rank} needs {need:g} at {e.prog[e.comp[g]]} with nothing left to evict"
+                    f"rank {e.rank} needs {need:g} at {e.prog[e.comp[g]]} "
+                    "with nothing left to evict"
                 )
             x = max(later, key=e.use.__getitem__)  # load it one op later instead
             due.remove(x)

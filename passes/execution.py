@@ -64,7 +64,8 @@ def _message_peer_error(instr: Instr, rank: int, compiled: Compiled) -> str | No
         if layout.stage_rank[s] != evictor:
             return f"stage {s} is on rank {layout.stage_rank[s]}, not on the evicting one {evictor}"
         return None
-    other = layout.next_stage(s) if instr.op in (Op.SEND_ACT, Op.RECV_GRAD) else layout.prev_stage(s)
+    downstream = instr.op in (Op.SEND_ACT, Op.RECV_GRAD)
+    other = layout.next_stage(s) if downstream else layout.prev_stage(s)
     if other is None:
         return f"stage {s} has no neighbour in that direction"
     if layout.stage_rank[other] != instr.peer:
@@ -207,7 +208,10 @@ def _message(
     other = counterpart(instr, r, compiled)
     if instr.op in MEMORY_OPS:
         return other, None
-    send, sender, receiver = (instr, r, instr.peer) if instr.op in SEND_OPS else (other, instr.peer, r)
+    if instr.op in SEND_OPS:
+        send, sender, receiver = instr, r, instr.peer
+    else:
+        send, sender, receiver = other, instr.peer, r
     bwd = Op.BW if (send.stage, send.mb) in fused else Op.B
     payload = (Op.F if send.op is Op.SEND_ACT else bwd, send.stage, send.mb)
     if sender == r and payload not in available[r]:

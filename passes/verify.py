@@ -12,8 +12,9 @@
    EVICT frees it on the evictor, ACCEPT holds it on the acceptor until RETURN, LOAD brings it
    back; `passes/residency.py` checks that no stash is used while evicted.
 
-Invariants 2 and 3 are checked together by executing the programs under blocking semantics
-in one O(n) worklist pass (`passes/execution.py`). A violation is a `VerifyError` naming rank, position, instruction.
+Invariants 2 and 3 are checked together by executing the programs under blocking semantics in
+one O(n) worklist pass (`passes/execution.py`). A violation is a `VerifyError` naming rank,
+position, instruction.
 """
 
 from __future__ import annotations

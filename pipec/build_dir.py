@@ -87,7 +87,8 @@ def emit(result: CompileResult, out: Path, force: bool = False) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         # On a large compile, half of the files print on the other core.
-        with gc_paused(), beside(partial(_write, tmp, result, 0), instruction_count(result.compiled)):
+        work = instruction_count(result.compiled)
+        with gc_paused(), beside(partial(_write, tmp, result, 0), work):
             _write(tmp, result, 1)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")

@@ -40,15 +40,44 @@ def _schedule_options(fn: Callable) -> Callable:
         click.option("--from-torch-csv", type=Path, help="Or a torch per-rank action CSV."),
         click.option("--pp", "-p", type=int, help="Pipeline ranks p (a CSV gives its own)."),
         click.option("--microbatches", "-m", type=int, help="Micro-batches m (ditto)."),
-        click.option("--chunks", "-v", type=int, default=None, help="Chunks per rank v (default: the family's)."),
-        click.option("--costs", default="", help="Per-op costs, e.g. F=1,B=1,W=1,comm=0 (F=1:2:1:1 per chunk)."),
-        click.option("--mem", default="", help="Memory per op in stashes, e.g. F=1,W=-0.5 (B nets the rest)."),
-        click.option("--memory-limit", default=None, help="Peak activations cap per rank: stashes (5), or with MODEL bytes of stash (40GiB); --evict evicts down to it."),
-        click.option("--evict", is_flag=True, help="BPipe: evict stashes to a partner rank to meet --memory-limit (alone: the smallest feasible limit)."),
-        click.option("--nodes", type=int, default=None, help="Nodes the pipeline spans (one rank per GPU)."),
-        click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: --pp / --nodes)."),
-        click.option("--link", default="", help="Links as BANDWIDTH:LATENCY (stashes per time unit : time), e.g. intra=4:0.01,inter=0.4:0.05."),
-        click.option("--mapping", type=click.Choice(MAPPINGS), default="sequential", show_default=True, help="Rank-to-device placement; auto keeps the fastest."),
+        click.option(
+            "--chunks", "-v", type=int, default=None,
+            help="Chunks per rank v (default: the family's).",
+        ),
+        click.option(
+            "--costs", default="",
+            help="Per-op costs, e.g. F=1,B=1,W=1,comm=0 (F=1:2:1:1 per chunk).",
+        ),
+        click.option(
+            "--mem", default="",
+            help="Memory per op in stashes, e.g. F=1,W=-0.5 (B nets the rest).",
+        ),
+        click.option(
+            "--memory-limit", default=None,
+            help="Peak activations cap per rank: stashes (5), or with MODEL bytes of stash "
+            "(40GiB); --evict evicts down to it.",
+        ),
+        click.option(
+            "--evict", is_flag=True,
+            help="BPipe: evict stashes to a partner rank to meet --memory-limit (alone: the "
+            "smallest feasible limit).",
+        ),
+        click.option(
+            "--nodes", type=int, default=None, help="Nodes the pipeline spans (one rank per GPU)."
+        ),
+        click.option(
+            "--gpus-per-node", type=int, default=None,
+            help="GPUs per node (default: --pp / --nodes).",
+        ),
+        click.option(
+            "--link", default="",
+            help="Links as BANDWIDTH:LATENCY (stashes per time unit : time), e.g. "
+            "intra=4:0.01,inter=0.4:0.05.",
+        ),
+        click.option(
+            "--mapping", type=click.Choice(MAPPINGS), default="sequential", show_default=True,
+            help="Rank-to-device placement; auto keeps the fastest.",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -69,9 +98,13 @@ def _compile(
     if model is None and (partition is not None or profile):
         raise PipecError("--partition and --profile need a MODEL (path/to/file.py:factory)")
     if model is not None and schedule is None:
-        raise PipecError("a MODEL compiles with --schedule; imported torch orders take no MODEL yet")
+        raise PipecError(
+            "a MODEL compiles with --schedule; imported torch orders take no MODEL yet"
+        )
     if (evict or mapping != "sequential") and schedule is None:
-        raise PipecError("--evict and --mapping work with --schedule; not on imported torch orders yet")
+        raise PipecError(
+            "--evict and --mapping work with --schedule; not on imported torch orders yet"
+        )
     if from_torch_csv is not None:
         return compile_torch_csv(
             from_torch_csv, cost_model, memory_limit, (pp, microbatches, chunks)
@@ -201,7 +234,9 @@ def schedules() -> None:
     "--dp", type=int, default=1, show_default=True,
     help="Data-parallel copies of the pipeline (world = p·dp).",
 )
-@click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("build"), show_default=True)
+@click.option(
+    "--out", "-o", type=click.Path(path_type=Path), default=Path("build"), show_default=True
+)
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
 def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
     """Compile a schedule (for MODEL, path/to/file.py:factory, if given) into programs in OUT."""
@@ -242,7 +277,9 @@ def simulate_cmd(as_json: bool, **opts) -> CompileResult:
 
 @cli.command()
 @click.argument("directory", type=click.Path(path_type=Path))
-@click.option("--lines", default=40, show_default=True, help="Instructions shown per rank (0: all).")
+@click.option(
+    "--lines", default=40, show_default=True, help="Instructions shown per rank (0: all)."
+)
 @click.option("--width", default=100, show_default=True, help="Width of the Gantt chart.")
 def show(directory: Path, lines: int, width: int) -> None:
     """Print a build's programs, per-rank figures and a terminal Gantt chart."""
@@ -295,19 +332,44 @@ def _csv(text: str, what: str, kind: type = str) -> list:
 @click.argument("model")
 @click.option("--pp", "-p", type=int, required=True, help="Pipeline ranks p.")
 @click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel copies.")
-@click.option("--global-batch", "-B", type=int, required=True, help="Samples per iteration, all copies.")
-@click.option("--memory-per-device", required=True, help="Memory per device: 80GiB, 512MiB or bytes.")
-@click.option("--peak-tflops", type=float, default=None, help="Device peak for MFU (default: measured GEMM).")
-@click.option("--schedules", default="", help="Families to consider, e.g. 1f1b,interleaved (default: all).")
-@click.option("--strategies", default="", help="Memory strategies, e.g. plain,recompute (default: all).")
-@click.option("--mbs", default="", help="Micro-batch sizes to profile (default: 1,2,4,… up to the batch).")
-@click.option("--time-budget", type=float, default=60.0, show_default=True, help="Profiling seconds.")
+@click.option(
+    "--global-batch", "-B", type=int, required=True, help="Samples per iteration, all copies."
+)
+@click.option(
+    "--memory-per-device", required=True, help="Memory per device: 80GiB, 512MiB or bytes."
+)
+@click.option(
+    "--peak-tflops", type=float, default=None, help="Device peak for MFU (default: measured GEMM)."
+)
+@click.option(
+    "--schedules", default="", help="Families to consider, e.g. 1f1b,interleaved (default: all)."
+)
+@click.option(
+    "--strategies", default="", help="Memory strategies, e.g. plain,recompute (default: all)."
+)
+@click.option(
+    "--mbs", default="", help="Micro-batch sizes to profile (default: 1,2,4,… up to the batch)."
+)
+@click.option(
+    "--time-budget", type=float, default=60.0, show_default=True, help="Profiling seconds."
+)
 @click.option("--runs", type=int, default=3, show_default=True, help="Timed runs per op (median).")
-@click.option("--comm", type=float, default=0.0, show_default=True, help="Seconds per cross-rank transfer.")
-@click.option("--nodes", type=int, default=None, help="Nodes the pipeline spans (one rank per GPU).")
-@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: --pp / --nodes).")
-@click.option("--link", default="", help="Links as BYTES_PER_S:SECONDS, e.g. intra=450e9:5e-6,inter=50e9:1e-5.")
-@click.option("--threads", type=int, default=None, help="CPU threads while profiling (one rank's share).")
+@click.option(
+    "--comm", type=float, default=0.0, show_default=True, help="Seconds per cross-rank transfer."
+)
+@click.option(
+    "--nodes", type=int, default=None, help="Nodes the pipeline spans (one rank per GPU)."
+)
+@click.option(
+    "--gpus-per-node", type=int, default=None, help="GPUs per node (default: --pp / --nodes)."
+)
+@click.option(
+    "--link", default="",
+    help="Links as BYTES_PER_S:SECONDS, e.g. intra=450e9:5e-6,inter=50e9:1e-5.",
+)
+@click.option(
+    "--threads", type=int, default=None, help="CPU threads while profiling (one rank's share)."
+)
 @click.option("--top", type=int, default=10, show_default=True, help="Rows printed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 def plan_cmd(model: str, memory_per_device: str, peak_tflops: float | None, schedules: str,

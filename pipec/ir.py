@@ -221,7 +221,9 @@ class Layout:
             "p": self.p,
             "stage_rank": list(self.stage_rank),
             "stage_chunk": list(self.stage_chunk),
-            "pipelines": [{"stages": list(pl.stages), "mbs": list(pl.mbs)} for pl in self.pipelines],
+            "pipelines": [
+                {"stages": list(pl.stages), "mbs": list(pl.mbs)} for pl in self.pipelines
+            ],
         }
 
     @staticmethod

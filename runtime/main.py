@@ -39,7 +39,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--timeout",
         type=float,
         default=DEFAULT_TIMEOUT_S,
-        help=f"seconds one instruction may wait before the run is called hung ({DEFAULT_TIMEOUT_S:g})",
+        help="seconds one instruction may wait before the run is called hung "
+        f"({DEFAULT_TIMEOUT_S:g})",
     )
     ap.add_argument(
         "--model", default=None, help="factory spec, if not the plan's (e.g. moved file)"

@@ -86,7 +86,8 @@ def test_forked_compile_and_emit_write_the_same_files(always_fork, monkeypatch):
         names = sorted(p.name for p in (Path(d) / "forked").iterdir())
         assert names == sorted(p.name for p in (Path(d) / "inline").iterdir())
         for name in names:
-            assert (Path(d) / "forked" / name).read_bytes() == (Path(d) / "inline" / name).read_bytes()
+            forked, inline = Path(d) / "forked" / name, Path(d) / "inline" / name
+            assert forked.read_bytes() == inline.read_bytes()
 
 
 def test_a_forked_compile_still_catches_a_deadlock(always_fork):

@@ -22,7 +22,8 @@ def test_chimera_bubble_ratio_is_the_papers(d, n):
 
 
 def _shortest_chimera(d: int, n: int, backward: int) -> int:
-    """The exhaustive search of `bench/chimera_optimum.py` (loaded by path: bench is not a package)."""
+    """The exhaustive search of `bench/chimera_optimum.py` (loaded by path: bench is not a
+    package)."""
     spec = importlib.util.spec_from_file_location("chimera_optimum", BENCH / "chimera_optimum.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,4 +1,5 @@
-"""The model plan: stage facts, JSON, measured stash, profiling, rebuilding stages for the runtime."""
+"""The model plan: stage facts, JSON, measured stash, profiling, rebuilding stages for the
+runtime."""
 
 import json
 import time

@@ -1,4 +1,5 @@
-"""Tracing: the examples trace with attention as one node; untraceable models get one-line errors."""
+"""Tracing: the examples trace with attention as one node; untraceable models get one-line
+errors."""
 
 from pathlib import Path
 
@@ -31,7 +32,10 @@ def test_examples_trace_with_attention_as_one_call(example):
         (
             "data_dependent_if",
             FAILING_LINES[0],
-            "control flow depends on a traced value; move the branch out or pass a concrete argument",
+            (
+                "control flow depends on a traced value; "
+                "move the branch out or pass a concrete argument"
+            ),
         ),
         (
             "assert_on_shape",

@@ -91,18 +91,24 @@ def test_invariant3_message_order_mismatch_deadlocks(base):
 
 
 def test_invariant3_wrong_peer(base):
-    prog = [Instr(i.op, i.stage, i.mb, 3) if i.op is Op.SEND_ACT else i for i in base.compiled.programs[0]]
-    with pytest.raises(VerifyError, match=r"SEND_ACT s=0 mb=0 to=3\): the peer stage 1 is on rank 1"):
+    prog = [
+        Instr(i.op, i.stage, i.mb, 3) if i.op is Op.SEND_ACT else i
+        for i in base.compiled.programs[0]
+    ]
+    wrong = r"SEND_ACT s=0 mb=0 to=3\): the peer stage 1 is on rank 1"
+    with pytest.raises(VerifyError, match=wrong):
         verify(_broken(base, 0, prog), base.costs)
 
 
 def test_invariant4_memory_limit(base):
-    with pytest.raises(VerifyError, match=r"rank 0, instruction \d+ \(F s=0 mb=3\): 4 stashes live, over the limit 3"):
+    over = r"rank 0, instruction \d+ \(F s=0 mb=3\): 4 stashes live, over the limit 3"
+    with pytest.raises(VerifyError, match=over):
         verify(base.compiled, base.costs, memory_limit=3)
 
 
 def test_invariant4_simulator_disagreement(base):
-    with pytest.raises(VerifyError, match=r"rank 0: counted peak 4 stashes, the simulator reports 5"):
+    disagree = r"rank 0: counted peak 4 stashes, the simulator reports 5"
+    with pytest.raises(VerifyError, match=disagree):
         verify(base.compiled, base.costs, peaks=[5, 3, 2, 1])
 
 

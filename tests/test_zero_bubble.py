@@ -89,7 +89,9 @@ def test_zb_auto_respects_a_tight_cap():
 @given(
     p=st.integers(2, 6),
     m=st.integers(1, 18),
-    per_stage=st.lists(st.tuples(*[st.sampled_from([0.25, 0.5, 1, 2, 3])] * 3), min_size=6, max_size=6),
+    per_stage=st.lists(
+        st.tuples(*[st.sampled_from([0.25, 0.5, 1, 2, 3])] * 3), min_size=6, max_size=6
+    ),
     comm=st.sampled_from([0, 0.1, 1]),
     cap=st.sampled_from([1, 1.5, 2]),
 )

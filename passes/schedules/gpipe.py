@@ -9,7 +9,6 @@ from pipec.ir import Instr, Op, Schedule, single_pipeline
 def gpipe(req: Request) -> Schedule:
     layout = single_pipeline(req.p, req.m, stage_ranks(sequential, req.p, req.p))
     orders = tuple(
-        tuple(Instr(Op.F, r, i) for i in range(req.m)) + tuple(Instr(Op.BW, r, i) for i in range(req.m))
-        for r in range(req.p)
+        tuple(Instr(op, r, i) for op in (Op.F, Op.BW) for i in range(req.m)) for r in range(req.p)
     )
     return Schedule("gpipe", req.p, req.m, 1, layout, orders)

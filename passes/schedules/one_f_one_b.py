@@ -13,7 +13,11 @@ def _orders(p: int, m: int, recompute: bool) -> tuple[tuple[Instr, ...], ...]:
         backwards = [Instr(Op.BW, r, i) for i in range(m)]
         order = one_f_one_b(forwards, backwards, warmup=p - 1 - r)
         if recompute:
-            order = [x for i in order for x in ([Instr(Op.RECOMPUTE, r, i.mb), i] if i.op is Op.BW else [i])]
+            order = [
+                x
+                for i in order
+                for x in ([Instr(Op.RECOMPUTE, r, i.mb), i] if i.op is Op.BW else [i])
+            ]
         orders.append(tuple(order))
     return tuple(orders)
 

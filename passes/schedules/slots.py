@@ -22,7 +22,11 @@ Node = tuple[Op, int, int]
 def fused_nodes(layout: Layout) -> list[Node]:
     """The work graph's nodes when every backward is one fused BW: F and BW per stage and mb."""
     return [
-        (k, s, i) for pl in layout.pipelines for s in pl.stages for i in pl.mbs for k in (Op.F, Op.BW)
+        (k, s, i)
+        for pl in layout.pipelines
+        for s in pl.stages
+        for i in pl.mbs
+        for k in (Op.F, Op.BW)
     ]
 
 

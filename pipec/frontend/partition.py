@@ -213,7 +213,8 @@ def _source_index(
     inputs: list[fx.Node],
     model: nn.Module,
 ) -> int:
-    """Position of `arg` in what stage k receives: the model inputs (k = 0) or stage k-1's outputs."""
+    """Position of `arg` in what stage k receives: the model inputs (k = 0) or stage k-1's
+    outputs."""
     if k == 0:
         if arg in inputs:
             return inputs.index(arg)

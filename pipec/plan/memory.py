@@ -8,9 +8,9 @@ Counted, per rank, over every stage the rank holds (a replica held twice counts 
   copy (4 bytes per parameter) when the parameters are stored in a lower precision — the
   mixed-precision recipe of Megatron-LM; no ZeRO sharding across data-parallel copies;
 - stashes: the simulator's peak of the rank program replayed with each chunk's measured stash
-  bytes at the candidate's micro-batch size (`CostModel.stash_bytes`). Recompute keeps the chunk's measured input bytes
-  instead, and evicted stashes count on the acceptor that holds them (the simulator's memory
-  rules, whatever ops the program has).
+  bytes at the candidate's micro-batch size (`CostModel.stash_bytes`). Recompute keeps the
+  chunk's measured input bytes instead, and evicted stashes count on the acceptor that holds
+  them (the simulator's memory rules, whatever ops the program has).
 
 Not counted: the working memory of the op in flight (its temporaries and the gradient being
 produced), communication buffers, the allocator's fragmentation and the framework's context.

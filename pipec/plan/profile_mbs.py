@@ -5,10 +5,10 @@ by taking its samples cyclically along dim 0 — every input and the target — 
 example's size is a slice and n above it repeats the example; dim 0 must be the batch
 dimension of all of them. Repeated samples cost what fresh ones would: nothing is cached.
 
-Each size times F, B and W of every block with the runtime's B/W split (the frontend's
-profiler) in `runs` rounds and keeps each op's fastest, measures each block's stash, and stops early when the next size
-would not fit in the time budget or in the device's free memory (or runs out of it).
-MFU needs the device's peak: `--peak-tflops`, or a large matrix multiplication timed here.
+Each size times F, B and W of every block with the runtime's B/W split (the frontend's profiler)
+in `runs` rounds and keeps each op's fastest, measures each block's stash, and stops early when
+the next size would not fit in the time budget or in the device's free memory (or runs out of
+it). MFU needs the device's peak: `--peak-tflops`, or a large matrix multiplication timed here.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ Grouped-query attention: q head h reads kv head h // group. The dK/dV program of
 over the group's q heads, so the sum over the group happens in registers.
 
 Under TRITON_INTERPRET=1 (CPU), dots are computed in fp32 because the interpreter's tl.dot on
-bf16 operands is wrong (it multiplies bit patterns), and one fixed 64x64 tile config replaces autotuning, which is slow
-when interpreted. Kernels become interpreted when they are decorated, i.e. when this module is
-imported: set TRITON_INTERPRET=1 before importing it.
+bf16 operands is wrong (it multiplies bit patterns), and one fixed 64x64 tile config replaces
+autotuning, which is slow when interpreted. Kernels become interpreted when they are decorated,
+i.e. when this module is imported: set TRITON_INTERPRET=1 before importing it.
 """
 
 import os
