@@ -65,8 +65,13 @@ def chrome_trace(
     ]
     for rank, slots in enumerate(timeline):
         events.append(
-            {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
-             "args": {"name": f"rank {rank}"}}
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": 0,
+                "tid": rank,
+                "args": {"name": f"rank {rank}"},
+            }
         )
         for slot in slots:
             events.append(
@@ -84,8 +89,14 @@ def chrome_trace(
     for rank, points in enumerate(counters):
         for t, live in points:
             events.append(
-                {"name": f"stash bytes rank {rank}", "ph": "C", "pid": 0, "tid": rank,
-                 "ts": round(t * TRACE_US_PER_UNIT, 3), "args": {"bytes": live}}
+                {
+                    "name": f"stash bytes rank {rank}",
+                    "ph": "C",
+                    "pid": 0,
+                    "tid": rank,
+                    "ts": round(t * TRACE_US_PER_UNIT, 3),
+                    "args": {"bytes": live},
+                }
             )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
@@ -101,7 +112,8 @@ def trace_json(timeline: Sequence[Sequence[Slot]], title: str) -> str:
     for rank, slots in enumerate(timeline):
         parts.append(json.dumps(meta[rank + 1]))
         event = (  # a compute op always has a stage and a micro-batch (invariant 1)
-            '{"name": "%s", "cat": "%s", "ph": "X", "pid": 0, "tid": ' + str(rank)
+            '{"name": "%s", "cat": "%s", "ph": "X", "pid": 0, "tid": '
+            + str(rank)
             + ', "ts": %.3f, "dur": %.3f, "args": {"stage": %d, "mb": %d}}'
         )
         parts.extend(
@@ -137,10 +149,19 @@ def render_svg(sim: SimResult, title: str) -> str:
     ]
     kinds = sorted({_OP_NAME[s.instr.op] for slots in sim.timeline for s in slots})
     height = top + len(sim.timeline) * ROW_HEIGHT + 22
-    return _env().get_template("schedule.svg.j2").render(
-        width=int(SVG_WIDTH) + MEMORY_COLUMN, height=height, title=title, rows=rows, boxes=boxes,
-        legend=[(k, LEFT + 60 * i) for i, k in enumerate(kinds)],
-        memory=[(text, y) for text, (_, y) in zip(peaks, rows)], memory_x=int(SVG_WIDTH) + 4,
+    return (
+        _env()
+        .get_template("schedule.svg.j2")
+        .render(
+            width=int(SVG_WIDTH) + MEMORY_COLUMN,
+            height=height,
+            title=title,
+            rows=rows,
+            boxes=boxes,
+            legend=[(k, LEFT + 60 * i) for i, k in enumerate(kinds)],
+            memory=[(text, y) for text, (_, y) in zip(peaks, rows)],
+            memory_x=int(SVG_WIDTH) + 4,
+        )
     )
 
 

@@ -149,6 +149,8 @@ def tiny() -> ModelSpec:
 def deep() -> ModelSpec:
     """16 layers, d=32: 8 ranks of a V-shape (16 chunks) on a CPU in seconds."""
     return make_spec(DEEP)
+
+
 def small() -> ModelSpec:
     """8 layers, d=128, micro-batch 4x64: a CPU-sized model whose steps are compute-bound."""
     return make_spec(SMALL)

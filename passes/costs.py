@@ -105,8 +105,13 @@ class CostModel:
 
     def to_json(self) -> dict:
         out = {
-            "F": list(self.F), "B": list(self.B), "W": list(self.W), "comm": self.comm,
-            "mem_F": self.mem_F, "mem_W": self.mem_W, "mem_input": self.mem_input,
+            "F": list(self.F),
+            "B": list(self.B),
+            "W": list(self.W),
+            "comm": self.comm,
+            "mem_F": self.mem_F,
+            "mem_W": self.mem_W,
+            "mem_input": self.mem_input,
         }
         # Absent when unused, so schedule-only plans (and golden headers) keep their hash.
         if self.stash_bytes:
@@ -123,9 +128,17 @@ class CostModel:
     def from_json(d: dict) -> CostModel:
         topology = Topology.from_json(d["topology"]) if "topology" in d else None
         return CostModel(
-            tuple(d["F"]), tuple(d["B"]), tuple(d["W"]), d["comm"],
-            d["mem_F"], d["mem_W"], d["mem_input"], tuple(d.get("stash_bytes", ())), topology,
-            d.get("allreduce", 0.0), tuple(d.get("input_bytes", ())),
+            tuple(d["F"]),
+            tuple(d["B"]),
+            tuple(d["W"]),
+            d["comm"],
+            d["mem_F"],
+            d["mem_W"],
+            d["mem_input"],
+            tuple(d.get("stash_bytes", ())),
+            topology,
+            d.get("allreduce", 0.0),
+            tuple(d.get("input_bytes", ())),
         )
 
 
@@ -175,4 +188,3 @@ def parse_mem(text: str, base: CostModel) -> CostModel:
     if out.mem_F <= 0 or out.mem_W > 0 or -out.mem_W > out.mem_F:
         raise PipecError("--mem needs F > 0 and -F <= W <= 0 (W releases part of what F added)")
     return out
-

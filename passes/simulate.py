@@ -198,8 +198,10 @@ def play(
                 unit_op, unit_mb = unit.op, unit.mb
                 for dep_op, dep_stage in table[unit_op][unit.stage]:
                     if dep_op is None:  # the upstream backward: the same kind unless mixed
-                        dep_op = unit_op if fused is None else upstream_backward(
-                            unit_op, dep_stage, unit_mb, fused
+                        dep_op = (
+                            unit_op
+                            if fused is None
+                            else upstream_backward(unit_op, dep_stage, unit_mb, fused)
                         )
                     finished = times_get((dep_op, dep_stage, unit_mb))
                     if finished is None:

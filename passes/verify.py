@@ -189,4 +189,3 @@ def check_memory(
             raise VerifyError(
                 f"rank {r}: counted peak {peak:g} stashes, the simulator reports {peaks[r]:g}"
             )
-

@@ -1,12 +1,12 @@
 """The build directory: written atomically by `emit`, read back (and checked) by `load`.
 
-    OUT/rank_000.pipe ...   one program per rank (text form)
-    OUT/plan.json           schedule, layout, costs, model facts; its hash is in every program
-    OUT/stats.json          simulated makespan, bubbles, per-rank busy/span/peak
-    OUT/timeline.json       the simulated run as a Chrome/Perfetto trace
-    OUT/schedule.svg        a Gantt chart of the simulated run
-    OUT/launch.py           with a model: `torchrun --nproc-per-node P OUT/launch.py` trains
-    OUT/measured/           written by the runtime: measured timeline and peak stash bytes
+OUT/rank_000.pipe ...   one program per rank (text form)
+OUT/plan.json           schedule, layout, costs, model facts; its hash is in every program
+OUT/stats.json          simulated makespan, bubbles, per-rank busy/span/peak
+OUT/timeline.json       the simulated run as a Chrome/Perfetto trace
+OUT/schedule.svg        a Gantt chart of the simulated run
+OUT/launch.py           with a model: `torchrun --nproc-per-node P OUT/launch.py` trains
+OUT/measured/           written by the runtime: measured timeline and peak stash bytes
 """
 
 from __future__ import annotations
@@ -67,8 +67,17 @@ def render_half(result: CompileResult, half: int) -> dict[str, str]:
     if model is not None:  # only a build with a model can train
         dp = result.plan.get("dp", 1)
         files["launch.py"] = render_launch(
-            {"spec": model["spec"], "schedule": c.schedule, "p": c.p, "m": c.m, "v": c.v,
-             "world": c.world, "dp": dp, "nproc": c.world * dp, "plan": result.plan_hash}
+            {
+                "spec": model["spec"],
+                "schedule": c.schedule,
+                "p": c.p,
+                "m": c.m,
+                "v": c.v,
+                "world": c.world,
+                "dp": dp,
+                "nproc": c.world * dp,
+                "plan": result.plan_hash,
+            }
         )
     return files
 

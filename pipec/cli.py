@@ -41,24 +41,31 @@ def _schedule_options(fn: Callable) -> Callable:
         click.option("--pp", "-p", type=int, help="Pipeline ranks p (a CSV gives its own)."),
         click.option("--microbatches", "-m", type=int, help="Micro-batches m (ditto)."),
         click.option(
-            "--chunks", "-v", type=int, default=None,
+            "--chunks",
+            "-v",
+            type=int,
+            default=None,
             help="Chunks per rank v (default: the family's).",
         ),
         click.option(
-            "--costs", default="",
+            "--costs",
+            default="",
             help="Per-op costs, e.g. F=1,B=1,W=1,comm=0 (F=1:2:1:1 per chunk).",
         ),
         click.option(
-            "--mem", default="",
+            "--mem",
+            default="",
             help="Memory per op in stashes, e.g. F=1,W=-0.5 (B nets the rest).",
         ),
         click.option(
-            "--memory-limit", default=None,
+            "--memory-limit",
+            default=None,
             help="Peak activations cap per rank: stashes (5), or with MODEL bytes of stash "
             "(40GiB); --evict evicts down to it.",
         ),
         click.option(
-            "--evict", is_flag=True,
+            "--evict",
+            is_flag=True,
             help="BPipe: evict stashes to a partner rank to meet --memory-limit (alone: the "
             "smallest feasible limit).",
         ),
@@ -66,16 +73,22 @@ def _schedule_options(fn: Callable) -> Callable:
             "--nodes", type=int, default=None, help="Nodes the pipeline spans (one rank per GPU)."
         ),
         click.option(
-            "--gpus-per-node", type=int, default=None,
+            "--gpus-per-node",
+            type=int,
+            default=None,
             help="GPUs per node (default: --pp / --nodes).",
         ),
         click.option(
-            "--link", default="",
+            "--link",
+            default="",
             help="Links as BANDWIDTH:LATENCY (stashes per time unit : time), e.g. "
             "intra=4:0.01,inter=0.4:0.05.",
         ),
         click.option(
-            "--mapping", type=click.Choice(MAPPINGS), default="sequential", show_default=True,
+            "--mapping",
+            type=click.Choice(MAPPINGS),
+            default="sequential",
+            show_default=True,
             help="Rank-to-device placement; auto keeps the fastest.",
         ),
     ]
@@ -85,9 +98,24 @@ def _schedule_options(fn: Callable) -> Callable:
 
 
 def _compile(
-    schedule, from_torch, from_torch_csv, pp, microbatches, chunks, costs, mem, memory_limit,
-    evict, nodes, gpus_per_node, link, mapping,
-    model=None, partition=None, profile=False, dp=1,
+    schedule,
+    from_torch,
+    from_torch_csv,
+    pp,
+    microbatches,
+    chunks,
+    costs,
+    mem,
+    memory_limit,
+    evict,
+    nodes,
+    gpus_per_node,
+    link,
+    mapping,
+    model=None,
+    partition=None,
+    profile=False,
+    dp=1,
 ) -> CompileResult:
     cost_model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
     memory_limit, in_bytes = _memory_limit(memory_limit)
@@ -122,12 +150,30 @@ def _compile(
         return result
     if model is None:
         return compile_schedule(
-            schedule, pp, microbatches, chunks, cost_model, memory_limit, dp=dp, evict=evict,
+            schedule,
+            pp,
+            microbatches,
+            chunks,
+            cost_model,
+            memory_limit,
+            dp=dp,
+            evict=evict,
             mapping=mapping,
         )
     return compile_model(
-        model, schedule, pp, microbatches, chunks, cost_model, memory_limit,
-        partition or "balanced", profile, dp, evict, mapping, in_bytes,
+        model,
+        schedule,
+        pp,
+        microbatches,
+        chunks,
+        cost_model,
+        memory_limit,
+        partition or "balanced",
+        profile,
+        dp,
+        evict,
+        mapping,
+        in_bytes,
     )
 
 
@@ -223,15 +269,20 @@ def schedules() -> None:
 @click.argument("model", required=False)
 @_schedule_options
 @click.option(
-    "--partition", default=None,
+    "--partition",
+    default=None,
     help="With MODEL: uniform, balanced (default) or blocks per stage, e.g. 3,2,2,1.",
 )
 @click.option(
-    "--profile", is_flag=True,
+    "--profile",
+    is_flag=True,
     help="With MODEL: time each stage's F/B/W here instead of estimating FLOPs.",
 )
 @click.option(
-    "--dp", type=int, default=1, show_default=True,
+    "--dp",
+    type=int,
+    default=1,
+    show_default=True,
     help="Data-parallel copies of the pipeline (world = p·dp).",
 )
 @click.option(
@@ -364,7 +415,8 @@ def _csv(text: str, what: str, kind: type = str) -> list:
     "--gpus-per-node", type=int, default=None, help="GPUs per node (default: --pp / --nodes)."
 )
 @click.option(
-    "--link", default="",
+    "--link",
+    default="",
     help="Links as BYTES_PER_S:SECONDS, e.g. intra=450e9:5e-6,inter=50e9:1e-5.",
 )
 @click.option(
@@ -372,9 +424,18 @@ def _csv(text: str, what: str, kind: type = str) -> list:
 )
 @click.option("--top", type=int, default=10, show_default=True, help="Rows printed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
-def plan_cmd(model: str, memory_per_device: str, peak_tflops: float | None, schedules: str,
-             strategies: str, mbs: str, threads: int | None, top: int, as_json: bool,
-             **opts) -> None:
+def plan_cmd(
+    model: str,
+    memory_per_device: str,
+    peak_tflops: float | None,
+    schedules: str,
+    strategies: str,
+    mbs: str,
+    threads: int | None,
+    top: int,
+    as_json: bool,
+    **opts,
+) -> None:
     """Profile MODEL at several micro-batch sizes; rank schedule × mbs × memory strategy."""
     from pipec.plan.candidates import PlanRequest
     from pipec.plan.driver import machine, plan_model
@@ -383,17 +444,26 @@ def plan_cmd(model: str, memory_per_device: str, peak_tflops: float | None, sche
 
     topology = machine(opts["pp"], opts["nodes"], opts["gpus_per_node"], opts["link"], opts["comm"])
     req = PlanRequest(
-        opts["pp"], opts["global_batch"], parse_bytes(memory_per_device), opts["dp"],
-        tuple(_csv(schedules, "--schedules")), tuple(_csv(strategies, "--strategies")),
-        opts["comm"], topology,
+        opts["pp"],
+        opts["global_batch"],
+        parse_bytes(memory_per_device),
+        opts["dp"],
+        tuple(_csv(schedules, "--schedules")),
+        tuple(_csv(strategies, "--strategies")),
+        opts["comm"],
+        topology,
     )
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
     plan = plan_model(
-        model, req, mbs=_csv(mbs, "--mbs", int), time_budget=opts["time_budget"],
-        runs=opts["runs"], peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
+        model,
+        req,
+        mbs=_csv(mbs, "--mbs", int),
+        time_budget=opts["time_budget"],
+        runs=opts["runs"],
+        peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
     )
     click.echo(json.dumps(render_json(plan), sort_keys=True) if as_json else render_text(plan, top))
 

@@ -109,7 +109,11 @@ def compile_from_schedule(sched: Schedule, opts: Options = Options()) -> Compile
         played = None
         if opts.evict or opts.mapping != "sequential":
             compiled, mapping, memory_limit = place(
-                sched, opts.costs, opts.mapping, opts.evict, opts.memory_limit,
+                sched,
+                opts.costs,
+                opts.mapping,
+                opts.evict,
+                opts.memory_limit,
                 opts.limit_in_bytes,
             )
             opts = replace(opts, mapping=mapping, memory_limit=memory_limit)

@@ -355,9 +355,7 @@ def dependency_table(layout: Layout, recompute: bool = False) -> dict[Op, list[t
     return tables[recompute]
 
 
-def upstream_backward(
-    op: Op, stage: int, mb: int, fused: frozenset[tuple[int, int]] | None
-) -> Op:
+def upstream_backward(op: Op, stage: int, mb: int, fused: frozenset[tuple[int, int]] | None) -> Op:
     """The backward of (stage, mb) that backward `op` of the stage before it waits for: the
     same kind, unless `fused` (see fused_backwards) says which backwards are fused."""
     if fused is None:

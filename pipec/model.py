@@ -69,8 +69,17 @@ def compile_model(
     layout = build_schedule(schedule, Request(p, m, v, costs, family_limit)).layout
     model = model_plan(spec, layout, partition, profile)
     return compile_schedule(
-        schedule, p, m, v, model_costs(model, costs), memory_limit, model=model, dp=dp,
-        evict=evict, mapping=mapping, limit_in_bytes=limit_in_bytes,
+        schedule,
+        p,
+        m,
+        v,
+        model_costs(model, costs),
+        memory_limit,
+        model=model,
+        dp=dp,
+        evict=evict,
+        mapping=mapping,
+        limit_in_bytes=limit_in_bytes,
     )
 
 

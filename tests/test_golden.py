@@ -13,8 +13,13 @@ from tests.helpers import run
 family("1f1b")  # registers the built-in families
 
 EXTRA = [
-    ("1f1b", 3, 5, None), ("1f1b", 4, 2, None), ("gpipe", 3, 5, None), ("gpipe", 4, 3, None),
-    ("1f1b-r", 3, 5, None), ("interleaved", 3, 6, 3), ("interleaved", 4, 4, 2),
+    ("1f1b", 3, 5, None),
+    ("1f1b", 4, 2, None),
+    ("gpipe", 3, 5, None),
+    ("gpipe", 4, 3, None),
+    ("1f1b-r", 3, 5, None),
+    ("interleaved", 3, 6, 3),
+    ("interleaved", 4, 4, 2),
 ]
 CASES = sorted({(name, 4, 8, None) for name in SCHEDULES} | set(EXTRA), key=str)
 

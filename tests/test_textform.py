@@ -11,9 +11,15 @@ from pipec.textform import Header, parse_program
 small = st.one_of(st.none(), st.integers(0, 10_000))
 instrs = st.builds(Instr, st.sampled_from(list(Op)), small, small, small)
 headers = st.builds(
-    Header, st.just(1), st.integers(0, 999), st.integers(1, 1000),
-    st.sampled_from(["1f1b", "v-half", "zb-h1"]), st.integers(1, 64), st.integers(1, 1024),
-    st.integers(1, 8), st.text("0123456789abcdef", min_size=16, max_size=16),
+    Header,
+    st.just(1),
+    st.integers(0, 999),
+    st.integers(1, 1000),
+    st.sampled_from(["1f1b", "v-half", "zb-h1"]),
+    st.integers(1, 64),
+    st.integers(1, 1024),
+    st.integers(1, 8),
+    st.text("0123456789abcdef", min_size=16, max_size=16),
 )
 
 

@@ -119,8 +119,13 @@ def test_memory_counts_split_backward_remainder():
 
     layout = Layout(1, (0,), (0,), (Pipeline((0,), (0, 1)),))
     prog = (
-        Instr(Op.F, 0, 0), Instr(Op.F, 0, 1), Instr(Op.B, 0, 0), Instr(Op.B, 0, 1),
-        Instr(Op.W, 0, 0), Instr(Op.W, 0, 1), Instr(Op.OPTIMIZER_STEP),
+        Instr(Op.F, 0, 0),
+        Instr(Op.F, 0, 1),
+        Instr(Op.B, 0, 0),
+        Instr(Op.B, 0, 1),
+        Instr(Op.W, 0, 0),
+        Instr(Op.W, 0, 1),
+        Instr(Op.OPTIMIZER_STEP),
     )
     compiled = Compiled("t", 1, 2, 1, layout, (prog,))
     costs = parse_mem("F=1,W=-0.5", CostModel())

@@ -11,8 +11,14 @@ from tests.helpers import run
 
 @pytest.mark.parametrize(
     "name, p, m, v",
-    [("1f1b", 4, 8, None), ("1f1b-r", 4, 8, None), ("zb-h1", 4, 8, None),
-     ("interleaved", 4, 8, 2), ("v-half", 4, 8, None), ("gpipe", 3, 5, None)],
+    [
+        ("1f1b", 4, 8, None),
+        ("1f1b-r", 4, 8, None),
+        ("zb-h1", 4, 8, None),
+        ("interleaved", 4, 8, 2),
+        ("v-half", 4, 8, None),
+        ("gpipe", 3, 5, None),
+    ],
 )
 def test_every_schedule_runs_its_ops_in_a_topological_order_of_the_work_graph(name, p, m, v):
     result = run(name, p, m, v)

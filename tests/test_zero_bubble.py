@@ -99,7 +99,7 @@ def test_zb_auto_compiles_for_uneven_stage_costs(p, m, per_stage, comm, cap):
     """A model's per-stage costs can give a later stage a longer warm-up window than its
     predecessor; the warm-up must never run a forward whose input does not exist yet
     (it once raised KeyError). Every program compiles, verifies and stays under the cap."""
-    f, b, w = ([":".join(map(str, x[:p])) for x in zip(*per_stage)])
+    f, b, w = [":".join(map(str, x[:p])) for x in zip(*per_stage)]
     r = run("zb-auto", p, m, costs=f"F={f},B={b},W={w},comm={comm}", memory_limit=cap * p)
     assert max(peaks(r)) <= cap * p + 1e-9
 
