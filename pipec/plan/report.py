@@ -82,10 +82,11 @@ def render_text(plan: Plan, top: int = 10) -> str:
         )
     if len(table) > top:
         lines.append(f"      … {len(table) - top} more that fit (--top shows more)")
-    ev = plan.evaluation
+    evaluation = plan.evaluation
     lines += ["", _baseline_line(plan), _verdict(table)]
+    fits, over, skipped = evaluation.fits, evaluation.over, evaluation.skipped
     lines.append(
-        f"{len(ev.fits)} candidates fit, {len(ev.over)} over the budget, {len(ev.skipped)} "
+        f"{len(fits)} candidates fit, {len(over)} over the budget, {len(skipped)} "
         "not applicable (--json lists them with the reason)"
     )
     return "\n".join(lines)
