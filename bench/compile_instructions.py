@@ -34,7 +34,7 @@ from pipec.compile import compile_schedule
 gc.disable()
 schedule, out = sys.argv[1], sys.argv[5]
 p, m, repeat = (int(x) for x in sys.argv[2:5])
-kept = []
+kept = []  # held: freeing a result is not compile time (`pipec compile` never frees it)
 for _ in range(repeat):
     result = compile_schedule(schedule, p, m)
     emit(result, Path(out), force=True)
