@@ -44,6 +44,7 @@ autotuning, which is slow when interpreted. Kernels become interpreted when they
 i.e. when this module is imported: set TRITON_INTERPRET=1 before importing it.
 """
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -211,9 +212,10 @@ def _tile(c: triton.Config) -> tuple[int, int, int, int]:
 
 
 def _autotune(kernel: str) -> Callable:
-    """`triton.autotune` over `_TILES[kernel]`, pruned at launch to the head dim's class. Under
-    the interpreter a single 64x64 config: autotuning interpreted kernels is slow, and 64-wide
-    tiles are the fastest to interpret."""
+    """`triton.autotune` over `_TILES[kernel]`, pruned at launch to the head dim's class, or to
+    its first candidate when PIPEC_ATTENTION_AUTOTUNE=0 (tests: one compile per shape instead
+    of five, and no timing). Under the interpreter a single 64x64 config: autotuning
+    interpreted kernels is slow, and 64-wide tiles are the fastest to interpret."""
     tiles = _TILES[kernel]
     if INTERPRET:
         return triton.autotune([triton.Config({"BLOCK_M": 64, "BLOCK_N": 64})], key=_TUNE_KEY)
@@ -222,6 +224,8 @@ def _autotune(kernel: str) -> Callable:
     def for_head_dim(configs: list, named_args: dict, **kwargs: object) -> list:
         block_d = {**named_args, **kwargs}["BLOCK_D"]
         listed = tiles[min(d for d in tiles if d >= block_d)]
+        if os.environ.get("PIPEC_ATTENTION_AUTOTUNE") == "0":
+            listed = listed[:1]
         return [c for c in configs if _tile(c) in listed]
 
     configs = [
