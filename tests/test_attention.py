@@ -137,6 +137,30 @@ def test_bf16_interpreted_dots_are_fp32():
     check_against_sdpa(torch.bfloat16, True, seq=50, head_dim=32)
 
 
+# Opt-in shared memory per block: H100 (227 KiB) and A100 (163 KiB).
+SHARED_BYTES = {"H100": 232448, "A100": 166912}
+
+
+@pytest.mark.parametrize("gpu", SHARED_BYTES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+def test_every_head_dim_has_a_candidate_the_gpu_can_hold(kernel, dtype, gpu, monkeypatch):
+    """The GPU path never meets a shape without a legal tile: for every head dim class and
+    dtype some candidate fits the device's shared memory (as estimated), the untimed choice
+    (PIPEC_ATTENTION_AUTOTUNE=0) among them, and every candidate passes the kernel's static
+    asserts (tiles of at least 16; the causal band's tile divisibility)."""
+    for block_d in (16, 32, 64, 128, 256):
+        monkeypatch.delenv("PIPEC_ATTENTION_AUTOTUNE", raising=False)
+        tiles = flash.candidates(kernel, block_d, dtype.itemsize, SHARED_BYTES[gpu])
+        need = [flash._shared_bytes(kernel, t, block_d, dtype.itemsize) for t in tiles]
+        assert tiles and max(need) <= SHARED_BYTES[gpu], (block_d, tiles)
+        monkeypatch.setenv("PIPEC_ATTENTION_AUTOTUNE", "0")
+        assert flash.candidates(kernel, block_d, dtype.itemsize, SHARED_BYTES[gpu]) == tiles[:1]
+        for m, n, _, _ in tiles:
+            owned, streamed = (n, m) if kernel == "dkdv" else (m, n)
+            assert min(m, n) >= 16 and owned % streamed == 0, (m, n)
+
+
 def test_sdpa_backend_handles_gqa(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("PIPEC_ATTENTION", "sdpa")
     q, k, v = torch.randn(1, 4, 8, 32), torch.randn(1, 2, 8, 32), torch.randn(1, 2, 8, 32)
@@ -214,8 +238,8 @@ EXAMPLES = (
 
 
 def run_example(spec: str, backend: str, monkeypatch, backward: bool = False):
-    """(output, parameter gradients or None, kernel launches) of one forward of `spec`'s model
-    on `backend`; a KernelFallback warning fails the test."""
+    """(output, parameter gradients or None, kernel launches, blocks) of one forward of
+    `spec`'s model on `backend`; a KernelFallback warning fails the test."""
     calls = []
     apply = flash.FlashAttention.apply
     monkeypatch.setattr(flash.FlashAttention, "apply", lambda *a: calls.append(1) or apply(*a))

@@ -72,10 +72,12 @@ class ProgressBar:
     finished line is written, so logs get one line instead of `total` carriage returns.
     """
 
-    def __init__(self, total: int, label: str, stream: TextIO = sys.stderr, width: int = 30):
-        self.total, self.label, self.stream, self.width = total, label, stream, width
+    def __init__(self, total: int, label: str, stream: TextIO | None = None, width: int = 30):
+        # sys.stderr when drawn, not when this module was imported (it may have been replaced)
+        self.total, self.label, self.width = total, label, width
+        self.stream = stream or sys.stderr
         self.done = 0
-        self._live = stream.isatty()
+        self._live = self.stream.isatty()
         if self._live:
             self._draw("\r")
 

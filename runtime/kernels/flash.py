@@ -183,14 +183,14 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, offs_m, lo, hi, T, qk_scale,
 # Tuning. (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per head-dim class (BLOCK_D up to
 # the key). The forward and dQ own query tiles, so theirs are tall (BLOCK_M >= BLOCK_N); dK/dV
 # own key tiles, so theirs are wide. Larger head dims hold larger accumulators (BLOCK x BLOCK_D
-# fp32 in registers) and K/V tiles (num_stages of them in shared memory), so their tiles shrink;
-# the smallest candidate of the 256 class fits fp32 inputs. Starting points from the Triton
-# fused-attention tutorial (forward 128x64, 4 warps, 3-4 stages; backward 32x128 and 128x32)
-# and FlashAttention-2's per-head-dim launch templates.
+# fp32 in registers) and K/V tiles (num_stages of them in shared memory), so their tiles shrink.
+# Starting points from the Triton fused-attention tutorial (forward 128x64, 4 warps, 3-4 stages;
+# backward 32x128 and 128x32) and FlashAttention-2's per-head-dim launch templates; the first of
+# each list is the one taken untimed.
 _TILES = {
     "fwd": {
         64: ((128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)),
-        128: ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 4), (64, 64, 4, 3)),
+        128: ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 4), (64, 32, 4, 3)),
         256: ((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (32, 32, 4, 1)),
     },
     "dkdv": {
@@ -205,36 +205,52 @@ _TILES = {
     },
 }
 _TUNE_KEY = ["T", "HEAD_DIM", "CAUSAL"]  # the autotuner adds the tensors' dtypes
+Tile = tuple[int, int, int, int]
 
 
-def _tile(c: triton.Config) -> tuple[int, int, int, int]:
+def _shared_bytes(kernel: str, tile: Tile, block_d: int, elem_bytes: int) -> int:
+    """Shared memory a candidate needs, estimated: the two tiles its loop streams (K and V, or
+    Q and dO), num_stages deep, plus the tiles it keeps (Q; K and V; Q and dO)."""
+    m, n, _, stages = tile
+    streamed, kept = {"fwd": (2 * n, m), "dkdv": (2 * m, 2 * n), "dq": (2 * n, 2 * m)}[kernel]
+    return (streamed * stages + kept) * block_d * elem_bytes
+
+
+def candidates(kernel: str, block_d: int, elem_bytes: int, shared_bytes: int) -> list[Tile]:
+    """The kernel's candidates for a head dim whose estimated shared memory fits the device's
+    (at least the smallest), in `_TILES` order; only the first when PIPEC_ATTENTION_AUTOTUNE=0
+    (tests: one compile per shape instead of five, and no timing)."""
+    tiles = _TILES[kernel]
+    listed = tiles[min(d for d in tiles if d >= block_d)]
+    need = {t: _shared_bytes(kernel, t, block_d, elem_bytes) for t in listed}
+    fits = [t for t in listed if need[t] <= shared_bytes] or [min(listed, key=need.__getitem__)]
+    return fits[:1] if os.environ.get("PIPEC_ATTENTION_AUTOTUNE") == "0" else fits
+
+
+def _tile(c: triton.Config) -> Tile:
     return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
 
 
 def _autotune(kernel: str) -> Callable:
-    """`triton.autotune` over `_TILES[kernel]`, pruned at launch to the head dim's class, or to
-    its first candidate when PIPEC_ATTENTION_AUTOTUNE=0 (tests: one compile per shape instead
-    of five, and no timing). Under the interpreter a single 64x64 config: autotuning
-    interpreted kernels is slow, and 64-wide tiles are the fastest to interpret."""
-    tiles = _TILES[kernel]
+    """`triton.autotune` over `_TILES[kernel]`, pruned at launch to `candidates`. Under the
+    interpreter a single 64x64 config: autotuning interpreted kernels is slow, and 64-wide
+    tiles are the fastest to interpret."""
     if INTERPRET:
         return triton.autotune([triton.Config({"BLOCK_M": 64, "BLOCK_N": 64})], key=_TUNE_KEY)
-    every = sorted({t for per_dim in tiles.values() for t in per_dim})
 
-    def for_head_dim(configs: list, named_args: dict, **kwargs: object) -> list:
-        block_d = {**named_args, **kwargs}["BLOCK_D"]
-        listed = tiles[min(d for d in tiles if d >= block_d)]
-        if os.environ.get("PIPEC_ATTENTION_AUTOTUNE") == "0":
-            listed = listed[:1]
-        return [c for c in configs if _tile(c) in listed]
+    def prune(configs: list, named_args: dict, **kwargs: object) -> list:
+        args = {**named_args, **kwargs}
+        q = args["Q"]
+        device = triton.runtime.driver.active.utils.get_device_properties(q.device.index)
+        keep = candidates(kernel, args["BLOCK_D"], q.element_size(), device["max_shared_mem"])
+        return [c for c in configs if _tile(c) in keep]
 
+    every = sorted({t for per_dim in _TILES[kernel].values() for t in per_dim})
     configs = [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
         for m, n, w, s in every
     ]
-    return triton.autotune(
-        configs, key=_TUNE_KEY, prune_configs_by={"early_config_prune": for_head_dim}
-    )
+    return triton.autotune(configs, key=_TUNE_KEY, prune_configs_by={"early_config_prune": prune})
 
 
 _even_t = triton.heuristics(
