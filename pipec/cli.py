@@ -31,6 +31,11 @@ from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_c
 from pipec.ir import Layout, PipecError
 from pipec.model import compile_model
 
+DEVICE_HELP = (
+    "Profile on this device: cpu, cuda or cuda:N, the one the build will run on (default: "
+    "where the factory builds the model)."
+)
+
 
 def _schedule_options(fn: Callable) -> Callable:
     """The options shared by `compile` and `simulate`."""
@@ -116,6 +121,7 @@ def _compile(
     partition=None,
     profile=False,
     dp=1,
+    device=None,
 ) -> CompileResult:
     cost_model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
     memory_limit, in_bytes = _memory_limit(memory_limit)
@@ -125,6 +131,8 @@ def _compile(
         raise click.UsageError("give one of --schedule, --from-torch or --from-torch-csv")
     if model is None and (partition is not None or profile):
         raise PipecError("--partition and --profile need a MODEL (path/to/file.py:factory)")
+    if device is not None and not profile:
+        raise PipecError("--device says where --profile times the stages; add --profile")
     if model is not None and schedule is None:
         raise PipecError(
             "a MODEL compiles with --schedule; imported torch orders take no MODEL yet"
@@ -174,6 +182,7 @@ def _compile(
         evict,
         mapping,
         in_bytes,
+        device,
     )
 
 
@@ -278,6 +287,7 @@ def schedules() -> None:
     is_flag=True,
     help="With MODEL: time each stage's F/B/W here instead of estimating FLOPs.",
 )
+@click.option("--device", default=None, help=DEVICE_HELP)
 @click.option(
     "--dp",
     type=int,
@@ -422,6 +432,7 @@ def _csv(text: str, what: str, kind: type = str) -> list:
 @click.option(
     "--threads", type=int, default=None, help="CPU threads while profiling (one rank's share)."
 )
+@click.option("--device", default=None, help=DEVICE_HELP)
 @click.option("--top", type=int, default=10, show_default=True, help="Rows printed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 def plan_cmd(
@@ -464,6 +475,7 @@ def plan_cmd(
         time_budget=opts["time_budget"],
         runs=opts["runs"],
         peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
+        device=opts["device"],
     )
     click.echo(json.dumps(render_json(plan), sort_keys=True) if as_json else render_text(plan, top))
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pipec.ir import Instr, Op, PipecError
-from runtime import compute, grads, offload, p2p
+from runtime import clock, compute, grads, offload, p2p
 from runtime.faults import Watchdog
 from runtime.rank import FIRST_INSTR_LINE, Rank
 
@@ -63,7 +63,8 @@ def check_program(program: Sequence[Instr], handlers: Mapping[Op, Handler], sour
 
 @dataclass(frozen=True)
 class StepTrace:
-    """One execution of the program, times in seconds of time.perf_counter().
+    """One execution of the program, times in seconds of time.perf_counter() (on CUDA, when the
+    GPU ran each instruction, on the same axis: runtime/clock.py).
 
     start[k] is when instruction k began its own work (after waiting for its inputs);
     handler_s sums the handlers' durations, so wall_s - handler_s is the interpreter's own cost.
@@ -93,26 +94,27 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
     program, comm = rt.program, rt.comm
     n = len(program)
     begun, start, end, live = [0.0] * n, [0.0] * n, [0.0] * n, [0] * n
-    now = time.perf_counter
+    now, timer = time.perf_counter, clock.clock_for(rt.device, n)  # runtime/clock.py: CUDA
     comm.pop_waited()
-    t_begin = now()
+    t_begin = timer.begin()
     early = [k for k, i in enumerate(program) if i.op in RECEIVES] if comm.post_early else []
     for k in early:
-        t0 = now()
+        t0 = timer.start(k)
         watchdog.enter(k, t0)
         handlers[program[k].op](rt, program[k])
-        begun[k], start[k], end[k] = t0, t0, now()
+        begun[k], start[k], end[k] = t0, t0, timer.end(k)
     skip = frozenset(early)
     for k, instr in enumerate(program):
         if k in skip:
             live[k] = rt.live
             continue
-        t0 = now()
+        t0 = timer.start(k)
         watchdog.enter(k, t0)
         handlers[instr.op](rt, instr)
-        t1 = now()
+        t1 = timer.end(k)
         begun[k], start[k], end[k], live[k] = t0, t0 + comm.pop_waited(), t1, rt.live
     watchdog.leave()
-    wall = now() - t_begin
     handler = sum(e - b for b, e in zip(begun, end))
+    start, end = timer.finish(t_begin, start, end)  # on CUDA: when the GPU ran each one
+    wall = now() - t_begin
     return StepTrace(t_begin, tuple(start), tuple(end), tuple(live), wall, handler)

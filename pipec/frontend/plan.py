@@ -51,6 +51,7 @@ def build_model_plan(
     flops_per_s: float = DEFAULT_FLOPS_PER_S,
     runs: int = 5,
     progress: bool = True,
+    device: str | None = None,
 ) -> ModelPlan:
     """Trace, partition and measure the model of `spec` for `n_stages` = p·v stages.
 
@@ -60,13 +61,15 @@ def build_model_plan(
         `flops_per_s`. FLOPs are recorded either way.
     v: chunks per rank (n_stages must be a multiple); replicas: 1, or 2 for bidirectional
         schedules (recorded; `build_stages` is called once per replica).
+    device: move the model there before anything is measured (`--device`; default: where the
+        factory builds it).
     Raises FrontendError with a one-line message for any problem with the model or arguments.
     """
     if n_stages < 1 or v < 1 or n_stages % v:
         raise FrontendError(f"n_stages={n_stages} must be a positive multiple of v={v} (S = p·v)")
     if replicas not in (1, 2):
         raise FrontendError(f"replicas={replicas}: use 1, or 2 for bidirectional schedules")
-    traced = _trace(spec, seed)
+    traced = _trace(spec, seed, device)
     ms = traced.spec
     block_flops = _block_flops(traced)
     mode, counts = resolve(partition, [f.total for f in block_flops], n_stages)
@@ -169,8 +172,12 @@ def build_stages(spec: str | None, plan_json: dict, stages: list[int]) -> list[f
     return [modules[k] for k in stages]
 
 
-def _trace(spec: str | ModelSpec, seed: int) -> _Traced:
+def _trace(spec: str | ModelSpec, seed: int, device: str | None = None) -> _Traced:
     ms = load_factory(spec, seed) if isinstance(spec, str) else spec
+    if device is not None:
+        from pipec.frontend.profile import on_device  # imports the runtime package
+
+        ms = on_device(ms, device)
     gm = trace(ms)
     blocks_path, n_blocks = find_blocks(ms.model)
     return _Traced(ms, gm, blocks_path, n_blocks, block_of_nodes(gm, blocks_path, n_blocks))

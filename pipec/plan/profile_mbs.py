@@ -30,7 +30,7 @@ from pipec.frontend import (
     split_model,
 )
 from pipec.frontend.partition import find_blocks
-from pipec.frontend.profile import ProgressBar, _now, profile_stages
+from pipec.frontend.profile import ProgressBar, _now, on_device, profile_stages
 from pipec.ir import PipecError
 from pipec.plan.facts import FBW, BlockFacts, MbsPoint, ModelProfile
 
@@ -75,10 +75,13 @@ def profile_model(
     runs: int = 3,
     peak_flops: float | None = None,
     progress: bool = True,
+    device: str | None = None,
 ) -> ModelProfile:
-    """Profile `spec`'s blocks at each size in `sizes` (ascending) until time or memory stops."""
+    """Profile `spec`'s blocks at each size in `sizes` (ascending) until time or memory stops,
+    on `device` (`--device`; default: where the factory builds the model)."""
     try:
         ms = load_factory(spec)
+        ms = ms if device is None else on_device(ms, device)
         n_blocks = find_blocks(ms.model)[1]
         one_each = [1] * n_blocks
         facts = build_model_plan(ms, n_blocks, one_each, progress=False)
