@@ -14,7 +14,6 @@ import contextlib
 import io
 import json
 import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from test_cli import cli_run
 
 from pipec.build_dir import load
 from pipec.ir import Op
-from runtime.torchrun import torchrun
+from tests.runtime_launch import run_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT}/examples/gpt.py:tiny"  # micro-batches of 2 unless asked
@@ -43,29 +42,10 @@ def pipec(*args: str) -> str:
 
 
 def plan(tmp: Path, name: str, budget: str, strategies: str, *extra: str) -> dict:
-    return json.loads(
-        pipec(
-            "plan",
-            GPT,
-            "--pp",
-            str(P),
-            "--global-batch",
-            str(BATCH),
-            "--mbs",
-            str(MBS),
-            "--schedules",
-            "1f1b",
-            "--strategies",
-            strategies,
-            "--memory-per-device",
-            budget,
-            "--save-profile",
-            str(tmp / f"{name}.profile.json"),
-            *FAST,
-            *extra,
-            "--json",
-        )  # fmt: skip
-    )
+    argv = ["plan", GPT, "--pp", str(P), "--global-batch", str(BATCH), "--mbs", str(MBS)]
+    argv += ["--schedules", "1f1b", "--strategies", strategies, "--memory-per-device", budget]
+    argv += ["--save-profile", str(tmp / f"{name}.profile.json"), *FAST, *extra, "--json"]
+    return json.loads(pipec(*argv))
 
 
 def budget_for_eviction(plain_row: dict) -> int:
@@ -96,14 +76,7 @@ def built(tmp_path_factory):
         {"name": "second", "build": str(tmp / "second"), "kind": "grads"},
         {"name": "train", "build": str(tmp / "first"), "kind": "train", "steps": STEPS, "lr": 1e-3},
     ]
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    (tmp / "results").mkdir()
-    cmd, env = torchrun(
-        ROOT / "tests/runtime_harness.py", P, str(tmp / "cases.json"), str(tmp / "results")
-    )
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp / "results" / f"{r}.json").read_text()) for r in range(P)]
+    ranks = run_cases(cases, P, tmp, timeout=300).results
     return tmp, report, ranks
 
 
@@ -146,8 +119,8 @@ def test_show_puts_the_planned_iteration_beside_the_measured_one(built):
     stats = json.loads((tmp / "first" / "measured" / "stats.json").read_text())
     shown = pipec("show", str(tmp / "first"), "--lines", "1").splitlines()
     row = report["candidates"][0]
+    predicted, measured = row["iteration_s"] * 1e3, stats["measured"]["iteration_ms"]
     assert shown[-1] == (
-        f"plan ({row['schedule']} {row['strategy']}, mbs {MBS}): iteration {row['iteration_s'] * 1e3:.2f} ms predicted vs "
-        f"{stats['measured']['iteration_ms']:.2f} ms measured "
-        f"(x{stats['measured']['iteration_ms'] / (row['iteration_s'] * 1e3):.2f})"
+        f"plan ({row['schedule']} {row['strategy']}, mbs {MBS}): iteration {predicted:.2f} ms "
+        f"predicted vs {measured:.2f} ms measured (x{measured / predicted:.2f})"
     )
