@@ -596,33 +596,33 @@ def _plan_builds(
 
     req = plan.request
     saved = save(SavedProfile(plan.profile, req.comm_s, req.machine), save_profile)
-    report = render_json(
-        plan, lambda ev: shell(command_line(ev, spec, saved, req.dp, out or Path("build")))
-    )
     if not as_json:
         click.echo(render_text(plan, top))
         click.echo(f"profile saved to {saved} (pipec compile --plan-profile builds from it)")
+    built = None
     if out is not None:
         table = rows(plan)
         if pick > len(table):
-            raise PipecError(f"--pick {pick}: {len(table)} candidates fit; pick 1 to {len(table)}")
+            raise PipecError(
+                f"--pick {pick}: {len(table)} candidate(s) fit; pick 1 to {len(table)}"
+            )
         ev = table[pick - 1].ev
         argv = command_line(ev, spec, saved, req.dp, out, force)
+        # --json: the compile's message goes to stderr, so stdout stays one JSON object.
         with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
             compile_cmd.main(args=argv[2:], prog_name="pipec compile", standalone_mode=False)
-        nproc = req.p * req.dp
-        report["build"] = {
-            "pick": pick,
-            "out": str(out),
-            "command": shell(argv),
-            "torchrun": torchrun_line(out, nproc),
-        }
+        run = torchrun_line(out, req.p * req.dp)
+        built = {"pick": pick, "out": str(out), "command": shell(argv), "torchrun": run}
         if not as_json:
             click.echo(
                 f"built row {pick} ({ev.schedule} {ev.strategy}, mbs {ev.mbs}, m {ev.m}) as:\n"
-                f"  {shell(argv)}\nrun it:\n  {torchrun_line(out, nproc)}"
+                f"  {shell(argv)}\nrun it:\n  {run}"
             )
     if as_json:
+        build_dir = out or Path("build")
+        report = render_json(
+            plan, lambda e: shell(command_line(e, spec, saved, req.dp, build_dir))
+        ) | ({"build": built} if built else {})
         click.echo(json.dumps(report, sort_keys=True))
 
 

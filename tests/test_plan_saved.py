@@ -59,7 +59,7 @@ def test_a_saved_profile_reads_back_equal(tmp_path, plans):
     plan = plans[True]
     saved = SavedProfile(plan.profile, 0.0, plan.request.machine)
     path = saved_mod.save(saved, tmp_path / "p.json")
-    assert saved_mod.load(path) == saved
+    assert saved_mod.load(path) == saved and saved_mod.load(path).digest == saved.digest
     assert saved_mod.default_path(saved).name == f"plan-profile-{saved.digest}.json"
     other = replace(saved, profile=replace(saved.profile, peak_flops=2e9))
     assert other.digest != saved.digest
@@ -207,3 +207,20 @@ def test_plan_out_refusals_come_before_profiling(tmp_path, capsys, args, message
     assert cli_run(*argv, *args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+def test_a_pick_past_the_rows_is_one_line_and_builds_nothing(tmp_path, capsys):
+    factory = f"{ROOT}/tests/plan_factories.py:sized"  # four small blocks: profiled at once
+    out = tmp_path / "b"
+    code = cli_run(
+        "plan", factory, "--pp", "2", "--global-batch", "4", "--mbs", "2",
+        "--memory-per-device", "1GiB", "--schedules", "1f1b", "--strategies", "plain",
+        "--runs", "1", "--peak-tflops", "0.1", "--threads", "1",
+        "--save-profile", str(tmp_path / "p.json"), "--out", str(out), "--pick", "2",
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 2
+    assert (
+        captured.err.splitlines()[-1] == "pipec: error: --pick 2: 1 candidate(s) fit; pick 1 to 1"
+    )
+    assert not out.exists() and "1* 1f1b" in captured.out  # the table came first
