@@ -161,8 +161,12 @@ def profile_model(
 
 
 def _measure(
-    ms: ModelSpec, blocks: list, mbs: int, runs: int, batch: tuple[tuple[Tensor, ...], Tensor]
-) -> MbsPoint:  # type: ignore[type-arg]
+    ms: ModelSpec,
+    blocks: list[torch.nn.Module],
+    mbs: int,
+    runs: int,
+    batch: tuple[tuple[Tensor, ...], Tensor],
+) -> MbsPoint:
     """One size: every block's boundary input, stash bytes and fastest F/B/W seconds on
     `batch`, `mbs` samples (`micro_batch`)."""
     inputs, target = batch
