@@ -82,16 +82,21 @@ def render_half(result: CompileResult, half: int) -> dict[str, str]:
     return files
 
 
+def check_out(out: Path, force: bool = False) -> None:
+    """Refuse an `out` that `emit` could not write (before any work is done for it)."""
+    if out.exists() and not out.is_dir():
+        raise PipecError(f"--out {out} exists and is not a directory; choose another path")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise PipecError(f"--out {out} exists and is not empty; pass --force to replace it")
+
+
 def emit(result: CompileResult, out: Path, force: bool = False) -> None:
     """Write the build directory atomically: into a temporary sibling, then one rename.
 
     An existing non-empty `out` is replaced only with `force`; on any failure nothing is left.
     """
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise PipecError(f"--out {out} exists and is not a directory; choose another path")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise PipecError(f"--out {out} exists and is not empty; pass --force to replace it")
+    check_out(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

@@ -6,13 +6,14 @@ Bad input is one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
@@ -35,6 +36,9 @@ DEVICE_HELP = (
     "Profile on this device: cpu, cuda or cuda:N, the one the build will run on (default: "
     "where the factory builds the model)."
 )
+
+if TYPE_CHECKING:
+    from pipec.plan.driver import Plan
 
 
 def _schedule_options(fn: Callable) -> Callable:
@@ -122,6 +126,8 @@ def _compile(
     profile=False,
     dp=1,
     device=None,
+    micro_batch_size=None,
+    plan_profile=None,
 ) -> CompileResult:
     cost_model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
     memory_limit, in_bytes = _memory_limit(memory_limit)
@@ -148,6 +154,27 @@ def _compile(
     for flag, value in (("--pp", pp), ("--microbatches", microbatches)):
         if value is None:
             raise click.UsageError(f"Missing option '{flag}'.")
+    if (micro_batch_size is not None or plan_profile is not None) and model is None:
+        raise PipecError(
+            "--micro-batch-size and --plan-profile need a MODEL (path/to/file.py:factory)"
+        )
+    if plan_profile is not None:
+        given = {
+            "--costs": costs,
+            "--mem": mem,
+            "--link": link,
+            "--nodes": nodes,
+            "--gpus-per-node": gpus_per_node,
+            "--partition": partition,
+            "--profile": profile,
+            "--mapping": mapping != "sequential",
+            "a --memory-limit in bytes": in_bytes,
+        }
+        clash = [flag for flag, value in given.items() if value]
+        return _compile_planned(
+            plan_profile, model, schedule, pp, microbatches, chunks, memory_limit, evict, dp,
+            micro_batch_size, clash,
+        )  # fmt: skip
     cost_model = replace(cost_model, topology=make_topology(pp, nodes, gpus_per_node, link))
     if from_torch is not None:
         result, notes = compile_torch_class(
@@ -183,7 +210,38 @@ def _compile(
         mapping,
         in_bytes,
         device,
+        micro_batch_size,
     )
+
+
+def _compile_planned(
+    path: Path,
+    spec: str,
+    schedule: str,
+    p: int,
+    m: int,
+    v: int | None,
+    memory_limit: float | None,
+    evict: bool,
+    dp: int,
+    micro_batch_size: int | None,
+    clash: list[str],
+) -> CompileResult:
+    """`--plan-profile FILE`: the build `pipec plan` prices from FILE (see pipec/plan/build.py)."""
+    from pipec.plan.build import compile_planned
+    from pipec.plan.candidates import CompileRequest
+    from pipec.plan.saved import load as load_saved
+
+    if clash:
+        raise PipecError(
+            f"--plan-profile prices the build as pipec plan did (its profile, its links); "
+            f"drop {', '.join(clash)}"
+        )
+    if micro_batch_size is None:
+        raise PipecError("--plan-profile needs --micro-batch-size: which profiled size to build")
+    v = family(schedule).default_v if v is None else v
+    job = CompileRequest(schedule, p, m, v, memory_limit, (("evict", True),) if evict else ())
+    return compile_planned(spec, load_saved(path), job, micro_batch_size, dp)
 
 
 def _memory_limit(text: str | None) -> tuple[float | None, bool]:
@@ -296,6 +354,18 @@ def schedules() -> None:
     help="Data-parallel copies of the pipeline (world = p·dp).",
 )
 @click.option(
+    "--micro-batch-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With MODEL: ask its factory for micro-batches of this size (default: its own).",
+)
+@click.option(
+    "--plan-profile",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="With MODEL: price the build from a profile `pipec plan` saved, as the plan did.",
+)
+@click.option(
     "--out", "-o", type=click.Path(path_type=Path), default=Path("build"), show_default=True
 )
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
@@ -361,7 +431,18 @@ def show(directory: Path, lines: int, width: int) -> None:
     click.echo(terminal_gantt(sim, width))
     measured = directory / "measured" / "stats.json"
     if measured.is_file():  # written by a run of OUT/launch.py
-        click.echo(measured_table(json.loads(measured.read_text())))
+        stats = json.loads(measured.read_text())
+        click.echo(measured_table(stats))
+        _echo_planned(build.plan, stats)
+
+
+def _echo_planned(plan: dict, stats: dict) -> None:
+    """A build `pipec plan` made: its predicted iteration time beside the measured one."""
+    from pipec.plan.build import planned_line
+
+    line = planned_line(plan, stats)
+    if line is not None:
+        click.echo(line)
 
 
 @cli.command("verify")
@@ -435,6 +516,23 @@ def _csv(text: str, what: str, kind: type = str) -> list:
 @click.option("--device", default=None, help=DEVICE_HELP)
 @click.option("--top", type=int, default=10, show_default=True, help="Rows printed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Build row --pick here, as the plan simulated it; print the torchrun command.",
+)
+@click.option(
+    "--pick", type=click.IntRange(min=1), default=None, help="The row --out builds (default 1)."
+)
+@click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
+@click.option(
+    "--save-profile",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the profile here (default with --out/--json: plan-profile-DIGEST.json).",
+)
 def plan_cmd(
     model: str,
     memory_per_device: str,
@@ -445,14 +543,23 @@ def plan_cmd(
     threads: int | None,
     top: int,
     as_json: bool,
+    out: Path | None,
+    pick: int | None,
+    force: bool,
+    save_profile: Path | None,
     **opts,
 ) -> None:
     """Profile MODEL at several micro-batch sizes; rank schedule × mbs × memory strategy."""
+    from pipec.build_dir import check_out
     from pipec.plan.candidates import PlanRequest
     from pipec.plan.driver import machine, plan_model
     from pipec.plan.memory import parse_bytes
-    from pipec.plan.report import render_json, render_text
+    from pipec.plan.report import render_text
 
+    if out is None and pick is not None:
+        raise PipecError("--pick chooses the row --out builds; give --out BUILD too")
+    if out is not None:
+        check_out(out, force)  # before profiling: a typo costs no measurement
     topology = machine(opts["pp"], opts["nodes"], opts["gpus_per_node"], opts["link"], opts["comm"])
     req = PlanRequest(
         opts["pp"],
@@ -477,7 +584,58 @@ def plan_cmd(
         peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
         device=opts["device"],
     )
-    click.echo(json.dumps(render_json(plan), sort_keys=True) if as_json else render_text(plan, top))
+    if out is None and not as_json and save_profile is None:
+        click.echo(render_text(plan, top))
+        return
+    _plan_builds(model, plan, out, pick or 1, force, save_profile, as_json, top)
+
+
+def _plan_builds(
+    spec: str,
+    plan: Plan,
+    out: Path | None,
+    pick: int,
+    force: bool,
+    save_profile: Path | None,
+    as_json: bool,
+    top: int,
+) -> None:
+    """Save the plan's profile, give every row its `pipec compile` command line, and with
+    `out` build row `pick` by running its command line: the printed command is the build."""
+    from pipec.plan.build import command_line, shell, torchrun_line
+    from pipec.plan.report import render_json, render_text, rows
+    from pipec.plan.saved import SavedProfile, save
+
+    req = plan.request
+    saved = save(SavedProfile(plan.profile, req.comm_s, req.machine), save_profile)
+    if not as_json:
+        click.echo(render_text(plan, top))
+        click.echo(f"profile saved to {saved} (pipec compile --plan-profile builds from it)")
+    built = None
+    if out is not None:
+        table = rows(plan)
+        if pick > len(table):
+            raise PipecError(
+                f"--pick {pick}: {len(table)} candidate(s) fit; pick 1 to {len(table)}"
+            )
+        ev = table[pick - 1].ev
+        argv = command_line(ev, spec, saved, req.dp, out, force)
+        # --json: the compile's message goes to stderr, so stdout stays one JSON object.
+        with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+            compile_cmd.main(args=argv[2:], prog_name="pipec compile", standalone_mode=False)
+        run = torchrun_line(out, req.p * req.dp)
+        built = {"pick": pick, "out": str(out), "command": shell(argv), "torchrun": run}
+        if not as_json:
+            click.echo(
+                f"built row {pick} ({ev.schedule} {ev.strategy}, mbs {ev.mbs}, m {ev.m}) as:\n"
+                f"  {shell(argv)}\nrun it:\n  {run}"
+            )
+    if as_json:
+        build_dir = out or Path("build")
+        report = render_json(
+            plan, lambda e: shell(command_line(e, spec, saved, req.dp, build_dir))
+        ) | ({"build": built} if built else {})
+        click.echo(json.dumps(report, sort_keys=True))
 
 
 @cli.command()

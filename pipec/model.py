@@ -58,10 +58,12 @@ def compile_model(
     mapping: str = "sequential",
     limit_in_bytes: bool = False,
     device: str | None = None,
+    micro_batch_size: int | None = None,
 ) -> CompileResult:
     """Trace and measure the model of `spec` for this schedule's layout, then compile
     (`limit_in_bytes`: `memory_limit` is bytes of stash per rank, as measured; `device`: where
-    to measure it, default where the factory builds it)."""
+    to measure it, default where the factory builds it; `micro_batch_size`: the factory's
+    micro-batches, see `load_factory`)."""
     default = CostModel()
     costs = costs or default
     if (costs.F, costs.B, costs.W) != (default.F, default.B, default.W):
@@ -69,7 +71,7 @@ def compile_model(
     v = family(schedule).default_v if v is None else v
     family_limit = None if evict or limit_in_bytes else memory_limit
     layout = build_schedule(schedule, Request(p, m, v, costs, family_limit)).layout
-    model = model_plan(spec, layout, partition, profile, device)
+    model = model_plan(spec, layout, partition, profile, device, micro_batch_size)
     return compile_schedule(
         schedule,
         p,
@@ -86,7 +88,12 @@ def compile_model(
 
 
 def model_plan(
-    spec: str, layout: Layout, partition: str, profile: bool, device: str | None = None
+    spec: str,
+    layout: Layout,
+    partition: str,
+    profile: bool,
+    device: str | None = None,
+    micro_batch_size: int | None = None,
 ) -> dict:
     """The frontend's plan (JSON) of `spec` cut into the chunks `layout` places."""
     from pipec.frontend import FrontendError, build_model_plan  # torch: only with a model
@@ -100,6 +107,7 @@ def model_plan(
             v=layout.n_chunks // layout.p,
             replicas=layout.n_stages // layout.n_chunks,
             device=device,
+            micro_batch_size=micro_batch_size,
         )
     except FrontendError as e:
         raise PipecError(str(e)) from None

@@ -195,7 +195,9 @@ class Rank:
                     chunks = [layout.stage_chunk[s] for s in mine]
                     for s, module in zip(mine, build_stages(spec, model_plan, chunks)):
                         modules[s] = module.to(device)
-            factory = load_factory(spec or model_plan["spec"], model_plan["seed"])
+            factory = load_factory(
+                spec or model_plan["spec"], model_plan["seed"], model_plan.get("micro_batch_size")
+            )
         except FrontendError as e:
             raise PipecError(str(e)) from None
         split = any(i.op in (Op.B, Op.W) for i in program)

@@ -48,18 +48,22 @@ class GradCapture:
 
 
 @cache
-def reference_grads(spec: str, seed: int, n_mb: int) -> dict[str, torch.Tensor]:
+def reference_grads(
+    spec: str, seed: int, n_mb: int, micro_batch_size: int | None = None
+) -> dict[str, torch.Tensor]:
     """Gradients of the unsplit model: mean loss over micro-batches 0..n_mb-1."""
-    ms = load_factory(spec, seed)
+    ms = load_factory(spec, seed, micro_batch_size)
     for i in range(n_mb):
         inputs, target = micro_batch(ms, i)
         (ms.loss_fn(ms.model(*inputs), target) / n_mb).backward()
     return {n: p.grad for n, p in ms.model.named_parameters(remove_duplicate=False)}
 
 
-def reference_losses(spec: str, seed: int, n_mb: int, steps: int, lr: float) -> list[float]:
+def reference_losses(
+    spec: str, seed: int, n_mb: int, steps: int, lr: float, micro_batch_size: int | None = None
+) -> list[float]:
     """The single-process training curve: AdamW on the same micro-batches."""
-    ms = load_factory(spec, seed)
+    ms = load_factory(spec, seed, micro_batch_size)
     opt = torch.optim.AdamW(ms.model.parameters(), lr=lr)
     losses = []
     for _ in range(steps):
@@ -77,7 +81,8 @@ def reference_losses(spec: str, seed: int, n_mb: int, steps: int, lr: float) -> 
 
 def compare_grads(rt: Rank, captured: dict[int, torch.Tensor]) -> dict:
     model = rt.build.plan["model"]
-    ref = reference_grads(model["spec"], model["seed"], rt.layout.m * rt.dp)
+    size = model.get("micro_batch_size")
+    ref = reference_grads(model["spec"], model["seed"], rt.layout.m * rt.dp, size)
     worst, names = 0.0, set()
     for module in rt.modules.values():
         for name, p in module.named_parameters(remove_duplicate=False):
@@ -107,7 +112,7 @@ def run_case(case: dict, watchdog: Watchdog) -> dict:
         if dist.get_rank() == 0:
             model = build.plan["model"]
             result["reference"] = reference_losses(
-                model["spec"], model["seed"], rt.layout.m, steps, lr
+                model["spec"], model["seed"], rt.layout.m, steps, lr, model.get("micro_batch_size")
             )
     return result | {"peak_stash_bytes": rt.peak, "ok": True}
 

@@ -35,6 +35,11 @@ def launch(
     for k, (name, (result, extra)) in enumerate(cases.items()):
         emit(result, tmp / f"case{k}")
         listing.append({"name": name, "build": str(tmp / f"case{k}")} | extra)
+    return run_cases(listing, world, tmp, timeout)
+
+
+def run_cases(listing: list[dict], world: int, tmp: Path, timeout: float) -> Launched:
+    """Run cases whose builds are written (`{"name", "build", "kind", ...}`, see the harness)."""
     (tmp / "cases.json").write_text(json.dumps(listing))
     (tmp / "results").mkdir()
     cmd, env = torchrun(HARNESS, world, str(tmp / "cases.json"), str(tmp / "results"))

@@ -121,6 +121,8 @@ class ModelPlan:
     tied: groups of (stage, parameter name) holding one shared parameter (e.g. a tied
         embedding and LM head): the runtime must sum their gradients across those stages
         before the optimizer step, as a single-process model would.
+    micro_batch_size: the size the factory was asked for (`load_factory`), which every
+        rebuild asks for again; None: the factory's own.
     """
 
     spec: str | None
@@ -138,9 +140,10 @@ class ModelPlan:
     device: str
     tied: tuple[tuple[tuple[int, str], ...], ...]
     stages: tuple[StageFacts, ...]
+    micro_batch_size: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": PLAN_FORMAT,
             "spec": self.spec,
             "seed": self.seed,
@@ -160,6 +163,9 @@ class ModelPlan:
             ],
             "stages": [s.to_json() for s in self.stages],
         }
+        if self.micro_batch_size is not None:  # absent otherwise: older plans keep their hash
+            out["micro_batch_size"] = self.micro_batch_size
+        return out
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> ModelPlan:
@@ -181,6 +187,7 @@ class ModelPlan:
             d["cost"]["device"],
             tuple(tuple((h["stage"], h["name"]) for h in group) for group in d["tied_parameters"]),
             tuple(StageFacts.from_json(s) for s in d["stages"]),
+            d.get("micro_batch_size"),
         )
 
 

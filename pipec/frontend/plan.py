@@ -52,6 +52,7 @@ def build_model_plan(
     runs: int = 5,
     progress: bool = True,
     device: str | None = None,
+    micro_batch_size: int | None = None,
 ) -> ModelPlan:
     """Trace, partition and measure the model of `spec` for `n_stages` = p·v stages.
 
@@ -63,13 +64,15 @@ def build_model_plan(
         schedules (recorded; `build_stages` is called once per replica).
     device: move the model there before anything is measured (`--device`; default: where the
         factory builds it).
+    micro_batch_size: ask the factory for micro-batches of this size (recorded, so that
+        `build_stages` asks again).
     Raises FrontendError with a one-line message for any problem with the model or arguments.
     """
     if n_stages < 1 or v < 1 or n_stages % v:
         raise FrontendError(f"n_stages={n_stages} must be a positive multiple of v={v} (S = p·v)")
     if replicas not in (1, 2):
         raise FrontendError(f"replicas={replicas}: use 1, or 2 for bidirectional schedules")
-    traced = _trace(spec, seed, device)
+    traced = _trace(spec, seed, device, micro_batch_size)
     ms = traced.spec
     block_flops = _block_flops(traced)
     mode, counts = resolve(partition, [f.total for f in block_flops], n_stages)
@@ -128,6 +131,7 @@ def build_model_plan(
         device=str(ms.example_inputs[0].device),
         tied=_tied(stages),
         stages=tuple(facts),
+        micro_batch_size=micro_batch_size,
     )
 
 
@@ -153,7 +157,7 @@ def build_stages(spec: str | None, plan_json: dict, stages: list[int]) -> list[f
     spec = spec or plan.spec
     if spec is None:
         raise FrontendError("the plan was built from a ModelSpec object; pass the factory spec")
-    traced = _trace(spec, plan.seed)
+    traced = _trace(spec, plan.seed, micro_batch_size=plan.micro_batch_size)
     if (traced.blocks_path, traced.n_blocks) != (plan.blocks_path, plan.n_blocks):
         raise FrontendError(
             f"{spec} now has {traced.n_blocks} blocks in {traced.blocks_path}, the plan "
@@ -172,8 +176,18 @@ def build_stages(spec: str | None, plan_json: dict, stages: list[int]) -> list[f
     return [modules[k] for k in stages]
 
 
-def _trace(spec: str | ModelSpec, seed: int, device: str | None = None) -> _Traced:
-    ms = load_factory(spec, seed) if isinstance(spec, str) else spec
+def _trace(
+    spec: str | ModelSpec,
+    seed: int,
+    device: str | None = None,
+    micro_batch_size: int | None = None,
+) -> _Traced:
+    if isinstance(spec, str):
+        ms = load_factory(spec, seed, micro_batch_size)
+    elif micro_batch_size is not None:
+        raise FrontendError("micro_batch_size asks a factory: pass its spec, not a ModelSpec")
+    else:
+        ms = spec
     if device is not None:
         from pipec.frontend.profile import on_device  # imports the runtime package
 

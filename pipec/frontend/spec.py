@@ -4,6 +4,9 @@ A *factory* is a module-level function taking no arguments and returning a `Mode
 model, ONE micro-batch of example inputs, its target, and the loss applied on the last stage to
 `(output, target)`. `load_factory("path/to/file.py:name")` or `load_factory("pkg.mod:name")`
 seeds torch and calls it, so every process that loads the same spec gets the same weights.
+A factory MAY take the micro-batch size as an optional keyword, `factory(micro_batch_size=B)`:
+then a build, a plan or a run can ask it for micro-batches of B samples (dim 0 of the example
+inputs); a factory without it gives its own size only.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import torch
 from torch import Tensor, nn
 
 DEFAULT_SEED = 0
+MICRO_BATCH_SIZE = "micro_batch_size"
+"""The optional keyword through which a factory takes the micro-batch size."""
 
 
 class FrontendError(ValueError):
@@ -90,13 +95,17 @@ def token_model_spec(
     return ModelSpec(model, (tokens,), target, next_token_loss)
 
 
-def load_factory(spec: str, seed: int = DEFAULT_SEED) -> ModelSpec:
+def load_factory(
+    spec: str, seed: int = DEFAULT_SEED, micro_batch_size: int | None = None
+) -> ModelSpec:
     """Import the factory named by `spec`, seed torch with `seed`, call it, check the result.
 
-    `spec` is `path/to/file.py:factory` or `package.module:factory`. Raises `FrontendError`
-    (one line naming the input and the fix) for a malformed spec, a missing file or module, a
-    missing or non-callable factory, a factory that raises, or one that returns something other
-    than a `ModelSpec`.
+    `spec` is `path/to/file.py:factory` or `package.module:factory`. `micro_batch_size`, if
+    given, is passed to a factory that takes it (`takes_micro_batch_size`); either way the
+    result must give micro-batches of that many samples. Raises `FrontendError` (one line
+    naming the input and the fix) for a malformed spec, a missing file or module, a missing or
+    non-callable factory, a factory that raises, one that returns something other than a
+    `ModelSpec`, or one that cannot give the micro-batch size asked for.
     """
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name.isidentifier():
@@ -115,9 +124,10 @@ def load_factory(spec: str, seed: int = DEFAULT_SEED) -> ModelSpec:
             f"model spec {spec!r}: {name!r} is a {type(factory).__name__}, "
             "not a function returning a ModelSpec"
         )
+    sized = micro_batch_size is not None and _takes_size(factory)
     torch.manual_seed(seed)
     try:
-        result = factory()
+        result = factory(**{MICRO_BATCH_SIZE: micro_batch_size}) if sized else factory()
     except FrontendError:
         raise
     except Exception as e:
@@ -129,7 +139,48 @@ def load_factory(spec: str, seed: int = DEFAULT_SEED) -> ModelSpec:
             f"model spec {spec!r} returned {type(result).__name__}; a factory must return "
             "pipec.frontend.ModelSpec(model, example_inputs, example_target, loss_fn)"
         )
+    if micro_batch_size is not None:
+        _check_size(spec, result, micro_batch_size, sized)
     return result
+
+
+def takes_micro_batch_size(spec: str) -> bool:
+    """Whether the factory `spec` names takes the `micro_batch_size` keyword (False for a spec
+    that names no factory: `load_factory` says why)."""
+    where, _, name = spec.rpartition(":")
+    return _takes_size(getattr(_import(spec, where), name, None))
+
+
+def _takes_size(factory: object) -> bool:
+    try:
+        params = inspect.signature(factory).parameters.values()  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.kind is p.VAR_KEYWORD or (p.name == MICRO_BATCH_SIZE and p.kind is not p.POSITIONAL_ONLY)
+        for p in params
+    )
+
+
+def _check_size(spec: str, result: ModelSpec, wanted: int, sized: bool) -> None:
+    """Refuse a factory whose micro-batches (dim 0 of its first example input) are not
+    `wanted` samples, with the fix: the keyword it lacks, or the keyword it ignores."""
+    first = result.example_inputs[0]
+    got = first.shape[0] if first.dim() else None
+    if got == wanted:
+        return
+    name = spec.rpartition(":")[2]
+    if sized:
+        raise FrontendError(
+            f"model spec {spec!r} was asked for {MICRO_BATCH_SIZE}={wanted} but gives "
+            f"micro-batches of {got} samples (dim 0 of its first example input); size the "
+            f"example by the keyword"
+        )
+    raise FrontendError(
+        f"model spec {spec!r} gives micro-batches of {got} samples and takes no "
+        f"{MICRO_BATCH_SIZE} keyword; micro-batches of {wanted} are needed: give {name} a "
+        f"`{MICRO_BATCH_SIZE}: int = {got}` parameter that sizes its example inputs"
+    )
 
 
 def _import(spec: str, where: str) -> ModuleType:
