@@ -21,11 +21,10 @@ from passes.costs import CostModel, parse_costs, parse_mem
 from passes.evict import amount
 from passes.placement import MAPPINGS
 from passes.registry import SCHEDULES, family
-from passes.residency import NEEDS_MODEL, check_stash_bytes
+from passes.residency import NEEDS_MODEL
 from passes.simulate import SimResult, simulate
 from passes.topology import Topology, make_topology
-from passes.verify import verify
-from pipec.build_dir import emit, load
+from pipec.build_dir import emit, load, verify_build
 from pipec.compile import CompileResult, compile_schedule, gc_paused
 from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
 from pipec.ir import Layout, PipecError
@@ -360,10 +359,7 @@ def verify_cmd(directory: Path) -> None:
     """Check a build's programs against the invariants; exit 2 on any violation."""
     build = load(directory)
     c = build.compiled
-    verify(c, build.costs, None, build.plan.get("memory_limit"))
-    sim = simulate(c.layout, c.programs, build.costs)
-    if build.plan.get("memory_limit_bytes") is not None:
-        check_stash_bytes(sim, build.plan["memory_limit_bytes"])
+    sim = verify_build(build)
     n = sum(len(p) for p in c.programs)
     click.echo(
         f"ok: {c.world} ranks, {n} instructions verified (coverage, dependencies, "

@@ -84,8 +84,10 @@ def compile_model(
 
 
 def model_plan(spec: str, layout: Layout, partition: str, profile: bool) -> dict:
-    """The frontend's plan (JSON) of `spec` cut into the chunks `layout` places."""
-    from pipec.frontend import FrontendError, build_model_plan  # torch: only with a model
+    """The frontend's plan (JSON) of `spec` cut into the chunks `layout` places, with where the
+    model comes from (`pipec.provenance.record`: a run checks it before training)."""
+    from pipec.frontend import FrontendError, build_model_plan, load_factory  # torch: only here
+    from pipec.provenance import record
 
     try:
         plan = build_model_plan(
@@ -96,9 +98,10 @@ def model_plan(spec: str, layout: Layout, partition: str, profile: bool) -> dict
             v=layout.n_chunks // layout.p,
             replicas=layout.n_stages // layout.n_chunks,
         )
+        factory = record(spec, load_factory(spec, plan.seed).model)
     except FrontendError as e:
         raise PipecError(str(e)) from None
-    return plan.to_json()
+    return plan.to_json() | {"factory": factory}
 
 
 def compile_model_torch_order(
