@@ -22,8 +22,8 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples.gpt` from any directory
 
-from examples.gpt import GPT, GPTConfig  # noqa: E402
-from pipec.frontend import ModelSpec, next_token_loss  # noqa: E402
+from examples.gpt import GPT, GPTConfig
+from pipec.frontend import ModelSpec, next_token_loss
 
 TEXT = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
 CONFIG = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=8, micro_batch=4)

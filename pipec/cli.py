@@ -464,6 +464,22 @@ def plan_cmd(
     click.echo(json.dumps(render_json(plan), sort_keys=True) if as_json else render_text(plan, top))
 
 
+@cli.command(
+    "run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False}
+)
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--nproc", type=int, default=None, help="Ranks on this machine (default: P·D).")
+@click.argument("launch_args", nargs=-1, type=click.UNPROCESSED)
+def run_cmd(directory: Path, nproc: int | None, launch_args: tuple[str, ...]) -> None:
+    """Train a build under torchrun here (LAUNCH_ARGS go to its launch.py, e.g. --steps 30);
+    on failure the rank's one-line message is repeated last and its exit code returned."""
+    from runtime.torchrun import run_build
+
+    code = run_build(directory, nproc, launch_args)
+    if code:
+        sys.exit(code)
+
+
 @cli.command()
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--format", "fmt", type=click.Choice(["torch-csv"]), default="torch-csv")

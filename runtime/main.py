@@ -261,8 +261,9 @@ def main(
         if args.check_grads:
             failed = check_grads(rt, run, handlers, watchdog, args.seed)
         else:
-            log = _log_step(rt, args.steps) if grank == 0 else None
-            save = _saver(rt, args) if args.save else None
+            saved: dict[int, Path] = {}
+            log = _log_step(args.steps, saved) if grank == 0 else None
+            save = _saver(rt, args, saved) if args.save else None
             traces = train(rt, args.steps, handlers, watchdog, log, run.start, save)
             write_measurements(rt, traces, min(args.skip, len(traces) - 1))
     except Exception as e:  # noqa: BLE001 - any failure: say where this rank was, then exit
@@ -277,8 +278,9 @@ def _adamw(lr: float) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimi
     return lambda params: torch.optim.AdamW(params, lr=lr)
 
 
-def _saver(rt: Rank, args: argparse.Namespace) -> Callable[[int], None]:
-    """After step k: a checkpoint when k is a multiple of --save-every, or the last step.
+def _saver(rt: Rank, args: argparse.Namespace, saved: dict[int, Path]) -> Callable[[int], None]:
+    """After step k: a checkpoint when k is a multiple of --save-every, or the last step (its
+    path goes into `saved`, for the step's log line).
 
     One copy of each stage is written: the first pipeline's stages (bidirectional schedules
     hold a replica of each in the second) of the first data-parallel copy."""
@@ -287,9 +289,8 @@ def _saver(rt: Rank, args: argparse.Namespace) -> Callable[[int], None]:
 
     def save(step: int) -> None:
         if step == args.steps or (args.save_every and step % args.save_every == 0):
-            path = checkpoint.save(args.save, step, checkpoint.state_dict(mine, rt.optimizer))
-            if rt.grank == 0:
-                print(f"saved {path}", flush=True)
+            state = checkpoint.state_dict(mine, rt.optimizer)
+            saved[step] = checkpoint.save(args.save, step, state)
 
     return save
 
@@ -329,10 +330,12 @@ def check_grads(
     return bool(bad)
 
 
-def _log_step(rt: Rank, steps: int) -> Callable[[int, float, StepTrace], None]:
+def _log_step(steps: int, saved: dict[int, Path]) -> Callable[[int, float, StepTrace], None]:
     def log(step: int, loss: float, trace: StepTrace) -> None:
+        path = saved.get(step + 1)
         print(
-            f"step {step + 1:>3}/{steps}  loss {loss:.4f}  ({trace.wall_s * 1000:.1f} ms)",
+            f"step {step + 1:>3}/{steps}  loss {loss:.4f}  ({trace.wall_s * 1000:.1f} ms)"
+            + (f"  saved {path}" if path else ""),
             flush=True,
         )
 
