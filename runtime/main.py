@@ -255,15 +255,13 @@ def main(
     try:
         optimizer = GradCapture if args.check_grads else _adamw(args.lr)
         rt.connect(optimizer, args.timeout)
-        if run.resume:
-            checkpoint.load(run.resume, rt.modules.values(), rt.optimizer)
-        rt.data = open_source(rt.spec, rt.layout.m * rt.dp, args.seed, run.start)
+        restore(rt, run.resume, args.seed)
         if args.check_grads:
             failed = check_grads(rt, run, handlers, watchdog, args.seed)
         else:
             saved: dict[int, Path] = {}
             log = _log_step(args.steps, saved) if grank == 0 else None
-            save = _saver(rt, args, saved) if args.save else None
+            save = saver(rt, args.save, args.save_every, args.steps, saved) if args.save else None
             traces = train(rt, args.steps, handlers, watchdog, log, run.start, save)
             write_measurements(rt, traces, min(args.skip, len(traces) - 1))
     except Exception as e:  # noqa: BLE001 - any failure: say where this rank was, then exit
@@ -278,9 +276,19 @@ def _adamw(lr: float) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimi
     return lambda params: torch.optim.AdamW(params, lr=lr)
 
 
-def _saver(rt: Rank, args: argparse.Namespace, saved: dict[int, Path]) -> Callable[[int], None]:
-    """After step k: a checkpoint when k is a multiple of --save-every, or the last step (its
-    path goes into `saved`, for the step's log line).
+def restore(rt: Rank, resume: Path | None, seed: int) -> int:
+    """Load checkpoint `resume` (if any) into this rank's stages and optimizer, and open the
+    data where it stopped; returns the step to continue from."""
+    start = checkpoint.load(resume, rt.modules.values(), rt.optimizer) if resume else 0
+    rt.data = open_source(rt.spec, rt.layout.m * rt.dp, seed, start)
+    return start
+
+
+def saver(
+    rt: Rank, directory: Path, every: int, last: int, saved: dict[int, Path]
+) -> Callable[[int], None]:
+    """After step k: a checkpoint in `directory` when k is a multiple of `every` (0: never) or
+    is the `last` step; its path goes into `saved`, for the step's log line.
 
     One copy of each stage is written: the first pipeline's stages (bidirectional schedules
     hold a replica of each in the second) of the first data-parallel copy."""
@@ -288,9 +296,9 @@ def _saver(rt: Rank, args: argparse.Namespace, saved: dict[int, Path]) -> Callab
     mine = [m for s, m in rt.modules.items() if s in first] if rt.dp_index == 0 else []
 
     def save(step: int) -> None:
-        if step == args.steps or (args.save_every and step % args.save_every == 0):
+        if step == last or (every and step % every == 0):
             state = checkpoint.state_dict(mine, rt.optimizer)
-            saved[step] = checkpoint.save(args.save, step, state)
+            saved[step] = checkpoint.save(directory, step, state)
 
     return save
 

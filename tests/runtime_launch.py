@@ -34,16 +34,21 @@ class Launched:
 
 
 def launch(
-    cases: dict[str, tuple[CompileResult, dict]], world: int, tmp: Path, timeout: float
+    cases: dict[str, tuple[CompileResult, dict]],
+    world: int,
+    tmp: Path,
+    timeout: float,
+    script: Path = HARNESS,
 ) -> Launched:
-    """Emit every case under `tmp`, run them all on `world` ranks; fail with the ranks' errors."""
+    """Emit every case under `tmp`, run them all on `world` ranks with `script` (the harness,
+    or a worker taking the same two arguments); fail with the ranks' errors."""
     listing = []
     for k, (name, (result, extra)) in enumerate(cases.items()):
         emit(result, tmp / f"case{k}")
         listing.append({"name": name, "build": str(tmp / f"case{k}")} | extra)
     (tmp / "cases.json").write_text(json.dumps(listing))
     (tmp / "results").mkdir()
-    cmd, env = torchrun(HARNESS, world, str(tmp / "cases.json"), str(tmp / "results"))
+    cmd, env = torchrun(script, world, str(tmp / "cases.json"), str(tmp / "results"))
     proc = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
