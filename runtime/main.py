@@ -255,7 +255,7 @@ def main(
     try:
         optimizer = GradCapture if args.check_grads else _adamw(args.lr)
         rt.connect(optimizer, args.timeout)
-        restore(rt, run.resume, args.seed)
+        restore(rt, run.resume, args.seed, optimizer=not args.check_grads)
         if args.check_grads:
             failed = check_grads(rt, run, handlers, watchdog, args.seed)
         else:
@@ -276,10 +276,11 @@ def _adamw(lr: float) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimi
     return lambda params: torch.optim.AdamW(params, lr=lr)
 
 
-def restore(rt: Rank, resume: Path | None, seed: int) -> int:
-    """Load checkpoint `resume` (if any) into this rank's stages and optimizer, and open the
-    data where it stopped; returns the step to continue from."""
-    start = checkpoint.load(resume, rt.modules.values(), rt.optimizer) if resume else 0
+def restore(rt: Rank, resume: Path | None, seed: int, optimizer: bool = True) -> int:
+    """Load checkpoint `resume` (if any) into this rank's stages (and, with `optimizer`, its
+    optimizer's state), and open the data where it stopped; returns the step to continue from."""
+    opt = rt.optimizer if optimizer else None
+    start = checkpoint.load(resume, rt.modules.values(), opt) if resume else 0
     rt.data = open_source(rt.spec, rt.layout.m * rt.dp, seed, start)
     return start
 
@@ -328,14 +329,19 @@ def check_grads(
         print("\n".join(c.line() for c in found), flush=True)
         if bad:
             print(
-                f"pipec runtime: check-grads failed: stage{'s' * (len(bad) > 1)} "
-                f"{', '.join(map(str, bad))} differ from the plain model's gradients",
+                "pipec runtime: check-grads failed: "
+                + (f"stage {bad[0]} differs" if len(bad) == 1 else f"stages {_join(bad)} differ")
+                + " from the plain model's gradients",
                 file=sys.stderr,
                 flush=True,
             )
         else:
             print("check-grads: ok, every stage matches", flush=True)
     return bool(bad)
+
+
+def _join(items: list[int]) -> str:
+    return ", ".join(map(str, items))
 
 
 def _log_step(steps: int, saved: dict[int, Path]) -> Callable[[int, float, StepTrace], None]:

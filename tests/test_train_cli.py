@@ -88,8 +88,9 @@ def test_save_resume_and_check_grads_from_another_directory(build, tmp_path):
 @pytest.mark.slow
 def test_check_grads_fails_on_a_broken_program(tmp_path):
     """A data-parallel build whose rank 1 no longer all-reduces its stage's gradients passes
-    `pipec verify` and trains, but each copy applies its own half's gradients: --check-grads
-    names stage 1, `pipec run` repeats that line last and exits 1."""
+    `pipec verify` and trains, but each copy applies its own half's gradients to stage 1 (and,
+    through the head tied to it, to stage 0's embedding): --check-grads names both stages,
+    `pipec run` repeats that line last and exits 1."""
     broken = tmp_path / "broken"
     emit(compile_model(DATA, "1f1b", 2, 2, dp=2), broken)
     program = broken / "rank_001.pipe"
@@ -98,10 +99,12 @@ def test_check_grads_fails_on_a_broken_program(tmp_path):
     program.write_text(re.sub(r"ALLREDUCE_GRADS s=1\n", "", text))
     run = pipec_run(broken, "--check-grads", cwd=tmp_path)
     assert run.returncode == 1, run.stderr[-3000:]
-    assert re.search(r"stage +0 \(rank 0\).* ok", run.stdout)
-    assert re.search(r"stage +1 \(rank 1\).* MISMATCH", run.stdout)
+    assert re.search(r"stage +0 \(rank 0\).* MISMATCH wte.weight: Mismatched elements", run.stdout)
+    assert re.search(r"stage +1 \(rank 1\).* MISMATCH blocks\.\d\.", run.stdout)
     last = run.stderr.strip().splitlines()[-1]
-    assert last == "pipec run: check-grads failed: stage 1 differ from the plain model's gradients"
+    assert (
+        last == "pipec run: check-grads failed: stages 0, 1 differ from the plain model's gradients"
+    )
 
 
 @pytest.mark.slow
