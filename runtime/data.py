@@ -66,14 +66,14 @@ class Stream:
         return itertools.islice(self._cycle(data), start, None)
 
     def _cycle(self, data) -> Iterator:  # type: ignore[no-untyped-def]
-        """An iterable over and over (epochs); an error if a pass yields nothing."""
+        """An iterable over and over (epochs), until a pass yields nothing."""
         while True:
             empty = True
             for batch in data:
                 empty = False
                 yield batch
             if empty:
-                raise PipecError("ModelSpec.data yielded no batch; give at least one")
+                return
 
     def next(self) -> list[MicroBatch]:
         if self._batches is None:
@@ -82,8 +82,8 @@ class Stream:
             batch = next(self._batches)
         except StopIteration:
             raise PipecError(
-                f"ModelSpec.data ran out at batch {self.position}; "
-                "yield batches for every step (an iterable is repeated; a generator is not)"
+                f"ModelSpec.data ran out at batch {self.position}; yield batches for every "
+                "step (a list or other iterable is read again; a generator or iterator is not)"
             ) from None
         inputs, target = self._check(batch)
         self.position += 1
