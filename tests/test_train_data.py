@@ -1,5 +1,5 @@
 """`ModelSpec.data` as the runtime reads it (runtime/data.py), and the shipped text example:
-its loss falls clearly below ln 256 within the demo's 30 steps."""
+its loss falls clearly below ln 256 within the demo's steps."""
 
 from __future__ import annotations
 
@@ -81,14 +81,16 @@ def test_without_data_the_batches_are_synthetic_and_the_same_every_step():
 
 @pytest.mark.slow
 def test_the_text_example_learns_within_the_demo_s_steps():
-    """The demo's run (30 steps of AdamW at 3e-3, m=8 micro-batches), in one process: the
-    pipelined run computes the same losses (tests/test_train.py shows resume/schedules agree)."""
+    """The demo's run (AdamW at 3e-3, m=8 micro-batches), in one process (pipelined runs compute
+    the same losses: tests/test_train.py), for 12 of its 30 steps to keep the suite short: the
+    loss is already a quarter below ln 256 (the demo ends near 3.3, 0.6 of it)."""
     torch.manual_seed(0)
+    torch.set_num_threads(1)
     ms = load_factory(f"{ROOT}/examples/text.py:shakespeare")
     opt = torch.optim.AdamW(ms.model.parameters(), lr=3e-3)
     stream = open_source(ms, 8)
     losses = []
-    for _ in range(30):
+    for _ in range(12):
         batches = stream.next()
         total = 0.0
         for inputs, target in batches:
@@ -99,4 +101,4 @@ def test_the_text_example_learns_within_the_demo_s_steps():
         opt.zero_grad()
         losses.append(total)
     assert losses[0] == pytest.approx(math.log(256), rel=0.02)
-    assert losses[-1] < 0.65 * math.log(256), losses
+    assert losses[-1] < 0.75 * math.log(256), losses
