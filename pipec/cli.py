@@ -464,9 +464,7 @@ def plan_cmd(
     click.echo(json.dumps(render_json(plan), sort_keys=True) if as_json else render_text(plan, top))
 
 
-@cli.command(
-    "run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False}
-)
+@cli.command("run", context_settings={"ignore_unknown_options": True})
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--nproc", type=int, default=None, help="Ranks on this machine (default: P·D).")
 @click.argument("launch_args", nargs=-1, type=click.UNPROCESSED)

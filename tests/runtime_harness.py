@@ -15,6 +15,7 @@ take_termination_signals()  # before torch starts threads, as launch.py does
 
 import json
 import sys
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -96,7 +97,9 @@ def run_case(case: dict, watchdog: Watchdog) -> dict:
     return result | {"peak_stash_bytes": rt.peak, "ok": True}
 
 
-def main() -> None:
+def serve(run: Callable[[dict, Watchdog], dict]) -> None:
+    """Run every case of CASES.json (argv[1]) with `run` in one process group (gloo, one thread
+    per rank); write this rank's results by case name to RESULTS_DIR/<rank>.json (argv[2])."""
     cases = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -105,7 +108,7 @@ def main() -> None:
     results = {}
     for case in cases:
         try:
-            results[case["name"]] = run_case(case, watchdog)
+            results[case["name"]] = run(case, watchdog)
         except AssertionError as e:  # a wrong gradient: record it, the other cases go on
             results[case["name"]] = {"ok": False, "error": str(e)[:2000]}
     (out / f"{dist.get_rank()}.json").write_text(json.dumps(results))
@@ -114,4 +117,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    serve(run_case)

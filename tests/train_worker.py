@@ -15,8 +15,6 @@ from runtime.faults import take_termination_signals
 take_termination_signals()  # before torch starts threads, as launch.py does
 
 import dataclasses
-import json
-import sys
 from pathlib import Path
 
 import torch
@@ -30,8 +28,7 @@ from runtime.faults import Watchdog
 from runtime.interpreter import HANDLERS
 from runtime.main import restore, saver, train
 from runtime.rank import Rank
-
-TIMEOUT_S = 60.0
+from tests.runtime_harness import TIMEOUT_S, serve
 
 
 def full_loss(spec: str, seed: int, path: Path, step: int, n: int) -> float:
@@ -72,17 +69,5 @@ def run(case: dict, watchdog: Watchdog) -> dict:
     return result
 
 
-def main() -> None:
-    cases = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(sys.argv[2])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    watchdog = Watchdog(TIMEOUT_S, lambda k: f"rank {dist.get_rank()}")
-    results = {case["name"]: run(case, watchdog) for case in cases}
-    (out / f"{dist.get_rank()}.json").write_text(json.dumps(results))
-    watchdog.stop()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    serve(run)
