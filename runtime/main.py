@@ -31,7 +31,7 @@ from codegen.render import measured_table
 from passes.simulate import simulate
 from pipec import checkpoint
 from pipec.build_dir import Build, load, title, verify_build
-from pipec.frontend import FrontendError, ModelSpec, load_factory
+from pipec.frontend import FrontendError, load_factory
 from pipec.ir import Op, PipecError
 from pipec.provenance import check_model, resolve
 from runtime.data import open_source
@@ -166,11 +166,10 @@ def step_barrier(where: str, timeout: float) -> None:
 @dataclass(frozen=True)
 class Run:
     """What the checks every rank makes alike found: the build, the model's spec (resolved
-    from any directory), the factory's model, the checkpoint to resume from and its step."""
+    from any directory), the checkpoint to resume from and its step."""
 
     build: Build
     spec: str
-    factory: ModelSpec
     resume: Path | None
     start: int
 
@@ -218,7 +217,7 @@ def preflight(build_dir: Path, args: argparse.Namespace, world: int, local_world
                 f"{resume} is at step {start} and --steps is {args.steps}: nothing to train; "
                 "--steps counts from the first step, raise it"
             )
-    return Run(build, spec, factory, resume, start)
+    return Run(build, spec, resume, start)
 
 
 def main(
@@ -310,11 +309,11 @@ def check_grads(
     """One step, then every stage's gradients against the plain model's on the same batch;
     rank 0 prints one line per stage. True when a stage differs (on every rank)."""
     train(rt, run.start + 1, handlers, watchdog, start=run.start)
-    model = run.factory.model
+    plain = load_factory(run.spec, rt.build.plan["model"]["seed"])
     if run.resume:
-        checkpoint.load(run.resume, [model])
-    batches = open_source(run.factory, rt.layout.m * rt.dp, seed, run.start).next()
-    ref = reference_grads(model, run.factory.loss_fn, batches, rt.device)
+        checkpoint.load(run.resume, [plain.model])
+    batches = open_source(plain, rt.layout.m * rt.dp, seed, run.start).next()
+    ref = reference_grads(plain.model, plain.loss_fn, batches, rt.device)
     checks = compare(rt.modules, rt.grank, rt.optimizer.grads, ref)
     everyone: list = [None] * rt.world
     dist.all_gather_object(everyone, checks)
