@@ -15,7 +15,8 @@ $(VENV)/.installed: pyproject.toml
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
-# The main job: compile the tiny GPT for 4 ranks and train it a few steps under torchrun (CPU).
+# The main job: compile a byte-level GPT for 4 ranks and train it on the Shakespeare shipped in
+# examples/data/ under torchrun (CPU): the loss falls from ln 256 = 5.55; a checkpoint at the end.
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 

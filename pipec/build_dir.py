@@ -21,6 +21,9 @@ from pathlib import Path
 
 from codegen.render import dump_json, render_launch, render_program, render_svg, trace_json
 from passes.costs import CostModel
+from passes.residency import check_stash_bytes
+from passes.simulate import SimResult, simulate
+from passes.verify import verify
 from pipec.beside import beside
 from pipec.compile import PLAN_FORMAT, CompileResult, gc_paused, plan_hash
 from pipec.ir import FORMAT_VERSION, Compiled, Layout, PipecError, instruction_count
@@ -167,3 +170,15 @@ def load(path: Path) -> Build:
         programs.append(program)
     compiled = Compiled(schedule, p, m, v, layout, tuple(programs))
     return Build(path, plan, digest, compiled, costs)
+
+
+def verify_build(build: Build) -> SimResult:
+    """The checks of `pipec verify` on a loaded build (the invariants, and a byte limit when the
+    plan has one); raises VerifyError naming rank, line and instruction. Returns the simulation
+    the memory check ran on."""
+    c = build.compiled
+    verify(c, build.costs, None, build.plan.get("memory_limit"))
+    sim = simulate(c.layout, c.programs, build.costs)
+    if build.plan.get("memory_limit_bytes") is not None:
+        check_stash_bytes(sim, build.plan["memory_limit_bytes"])
+    return sim

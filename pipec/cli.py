@@ -22,11 +22,10 @@ from passes.costs import CostModel, parse_costs, parse_mem
 from passes.evict import amount
 from passes.placement import MAPPINGS
 from passes.registry import SCHEDULES, family
-from passes.residency import NEEDS_MODEL, check_stash_bytes
+from passes.residency import NEEDS_MODEL
 from passes.simulate import SimResult, simulate
 from passes.topology import Topology, make_topology
-from passes.verify import verify
-from pipec.build_dir import emit, load
+from pipec.build_dir import emit, load, verify_build
 from pipec.compile import CompileResult, compile_schedule, gc_paused
 from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
 from pipec.ir import Layout, PipecError
@@ -451,10 +450,7 @@ def verify_cmd(directory: Path) -> None:
     """Check a build's programs against the invariants; exit 2 on any violation."""
     build = load(directory)
     c = build.compiled
-    verify(c, build.costs, None, build.plan.get("memory_limit"))
-    sim = simulate(c.layout, c.programs, build.costs)
-    if build.plan.get("memory_limit_bytes") is not None:
-        check_stash_bytes(sim, build.plan["memory_limit_bytes"])
+    sim = verify_build(build)
     n = sum(len(p) for p in c.programs)
     click.echo(
         f"ok: {c.world} ranks, {n} instructions verified (coverage, dependencies, "
@@ -636,6 +632,20 @@ def _plan_builds(
             plan, lambda e: shell(command_line(e, spec, saved, req.dp, build_dir))
         ) | ({"build": built} if built else {})
         click.echo(json.dumps(report, sort_keys=True))
+
+
+@cli.command("run", context_settings={"ignore_unknown_options": True})
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--nproc", type=int, default=None, help="Ranks on this machine (default: P·D).")
+@click.argument("launch_args", nargs=-1, type=click.UNPROCESSED)
+def run_cmd(directory: Path, nproc: int | None, launch_args: tuple[str, ...]) -> None:
+    """Train a build under torchrun here (LAUNCH_ARGS go to its launch.py, e.g. --steps 30);
+    on failure the rank's one-line message is repeated last and its exit code returned."""
+    from runtime.torchrun import run_build
+
+    code = run_build(directory, nproc, launch_args)
+    if code:
+        sys.exit(code)
 
 
 @cli.command()

@@ -95,8 +95,10 @@ def model_plan(
     device: str | None = None,
     micro_batch_size: int | None = None,
 ) -> dict:
-    """The frontend's plan (JSON) of `spec` cut into the chunks `layout` places."""
-    from pipec.frontend import FrontendError, build_model_plan  # torch: only with a model
+    """The frontend's plan (JSON) of `spec` cut into the chunks `layout` places, with where the
+    model comes from (`pipec.provenance.record`: a run checks it before training)."""
+    from pipec.frontend import FrontendError, build_model_plan, load_factory  # torch: only here
+    from pipec.provenance import record
 
     try:
         plan = build_model_plan(
@@ -109,9 +111,10 @@ def model_plan(
             device=device,
             micro_batch_size=micro_batch_size,
         )
+        factory = record(spec, load_factory(spec, plan.seed, micro_batch_size).model)
     except FrontendError as e:
         raise PipecError(str(e)) from None
-    return plan.to_json()
+    return plan.to_json() | {"factory": factory}
 
 
 def compile_model_torch_order(

@@ -5,8 +5,8 @@
 CASES.json lists {"name", "build", "kind": "grads" | "train", "steps", "lr"}. For each case every
 rank rebuilds its stages from the build, runs its program and writes to RESULTS_DIR/<rank>.json
 what tests/test_runtime.py asserts: its parameter gradients compared with a single-process
-reference on the same micro-batches (grads), the loss curve beside the reference's (train,
-rank 0), and the measured peak stash bytes.
+reference on the same micro-batches (grads: the comparison `launch.py --check-grads` makes), the
+loss curve beside the reference's (train, rank 0), and the measured peak stash bytes.
 """
 
 from runtime.faults import take_termination_signals
@@ -15,6 +15,7 @@ take_termination_signals()  # before torch starts threads, as launch.py does
 
 import json
 import sys
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from pipec.build_dir import load
 from pipec.frontend import load_factory
 from runtime.data import micro_batch
 from runtime.faults import Watchdog
+from runtime.gradcheck import GradCapture, compare, reference_grads
 from runtime.interpreter import HANDLERS
 from runtime.main import train, write_measurements
 from runtime.rank import Rank
@@ -32,31 +34,14 @@ from runtime.rank import Rank
 TIMEOUT_S = 60.0
 
 
-class GradCapture:
-    """Stands in for the optimizer: keeps a copy of every gradient instead of stepping."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.params = params
-        self.grads: dict[int, torch.Tensor] = {}
-
-    def step(self) -> None:
-        self.grads = {id(p): p.grad.detach().clone() for p in self.params if p.grad is not None}
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-
 @cache
-def reference_grads(
+def reference(
     spec: str, seed: int, n_mb: int, micro_batch_size: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Gradients of the unsplit model: mean loss over micro-batches 0..n_mb-1."""
     ms = load_factory(spec, seed, micro_batch_size)
-    for i in range(n_mb):
-        inputs, target = micro_batch(ms, i)
-        (ms.loss_fn(ms.model(*inputs), target) / n_mb).backward()
-    return {n: p.grad for n, p in ms.model.named_parameters(remove_duplicate=False)}
+    batches = [micro_batch(ms, i) for i in range(n_mb)]
+    return reference_grads(ms.model, ms.loss_fn, batches, torch.device("cpu"))
 
 
 def reference_losses(
@@ -80,18 +65,18 @@ def reference_losses(
 
 
 def compare_grads(rt: Rank, captured: dict[int, torch.Tensor]) -> dict:
+    """`launch.py --check-grads`'s comparison; an AssertionError names the first mismatch."""
     model = rt.build.plan["model"]
     size = model.get("micro_batch_size")
-    ref = reference_grads(model["spec"], model["seed"], rt.layout.m * rt.dp, size)
-    worst, names = 0.0, set()
-    for module in rt.modules.values():
-        for name, p in module.named_parameters(remove_duplicate=False):
-            torch.testing.assert_close(
-                captured[id(p)], ref[name], msg=lambda m, n=name: f"{n}: {m}"
-            )
-            worst = max(worst, (captured[id(p)] - ref[name]).abs().max().item())
-            names.add(name)
-    return {"max_abs_diff": worst, "names": sorted(names)}
+    ref = reference(model["spec"], model["seed"], rt.layout.m * rt.dp, size)
+    checks = compare(rt.modules, rt.grank, captured, ref)
+    errors = [c.error for c in checks if c.error]
+    if errors:
+        raise AssertionError(errors[0])
+    return {
+        "max_abs_diff": max(c.max_abs_diff for c in checks),
+        "names": sorted({n for c in checks for n in c.names}),
+    }
 
 
 def run_case(case: dict, watchdog: Watchdog) -> dict:
@@ -117,7 +102,9 @@ def run_case(case: dict, watchdog: Watchdog) -> dict:
     return result | {"peak_stash_bytes": rt.peak, "ok": True}
 
 
-def main() -> None:
+def serve(run: Callable[[dict, Watchdog], dict]) -> None:
+    """Run every case of CASES.json (argv[1]) with `run` in one process group (gloo, one thread
+    per rank); write this rank's results by case name to RESULTS_DIR/<rank>.json (argv[2])."""
     cases = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -126,7 +113,7 @@ def main() -> None:
     results = {}
     for case in cases:
         try:
-            results[case["name"]] = run_case(case, watchdog)
+            results[case["name"]] = run(case, watchdog)
         except AssertionError as e:  # a wrong gradient: record it, the other cases go on
             results[case["name"]] = {"ok": False, "error": str(e)[:2000]}
     (out / f"{dist.get_rank()}.json").write_text(json.dumps(results))
@@ -135,4 +122,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    serve(run_case)

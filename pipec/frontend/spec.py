@@ -16,7 +16,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -45,6 +45,13 @@ class ModelSpec:
     concrete_args: forward arguments to fix while tracing (`torch.fx` `concrete_args`), for
         Python control flow on flags such as `if use_cache:`.
     leaf_modules: module types torch.fx records as one opaque call instead of tracing into.
+    data: the training data, or None for synthetic micro-batches shaped like the example. Either
+        a callable `data(rows, start)` returning an iterator of `(inputs, target)` global
+        batches of `rows` rows from batch `start` on (0 on a fresh run, the checkpoint's step
+        on resume), or an iterable of such batches (re-iterated when it runs out; skipped to
+        `start` on resume). `inputs` is a tensor or a tuple in forward's order; every tensor has
+        the example's shape but `rows` = m·D·(example rows) in its first dimension. The runtime
+        cuts each batch into the plan's micro-batches.
     """
 
     model: nn.Module
@@ -53,6 +60,7 @@ class ModelSpec:
     loss_fn: Callable[[Tensor, Tensor], Tensor]
     concrete_args: dict[str, Any] | None = None
     leaf_modules: tuple[type[nn.Module], ...] = field(default=())
+    data: Callable[[int, int], Iterable[Any]] | Iterable[Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -76,6 +84,11 @@ class ModelSpec:
             )
         if not callable(self.loss_fn):
             raise FrontendError("ModelSpec.loss_fn must be callable: (output, target) -> loss")
+        if self.data is not None and not (callable(self.data) or isinstance(self.data, Iterable)):
+            raise FrontendError(
+                f"ModelSpec.data must be a callable data(rows, start) or an iterable of "
+                f"(inputs, target) batches, got {type(self.data).__name__}"
+            )
 
 
 def next_token_loss(logits: Tensor, target: Tensor) -> Tensor:
