@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -21,11 +23,11 @@ from passes.costs import CostModel, parse_costs, parse_mem
 from passes.evict import amount
 from passes.placement import MAPPINGS
 from passes.registry import SCHEDULES, family
-from passes.residency import NEEDS_MODEL, check_stash_bytes
-from passes.simulate import SimResult, simulate
+from passes.residency import NEEDS_MODEL
+from passes.simulate import SimResult
 from passes.topology import Topology, make_topology
-from passes.verify import verify
-from pipec.build_dir import emit, load
+from pipec import __version__
+from pipec.build_dir import check_build, emit, load
 from pipec.compile import CompileResult, compile_schedule, gc_paused
 from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
 from pipec.ir import Layout, PipecError
@@ -49,12 +51,12 @@ def _schedule_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--costs",
-            default="",
+            default=None,
             help="Per-op costs, e.g. F=1,B=1,W=1,comm=0 (F=1:2:1:1 per chunk).",
         ),
         click.option(
             "--mem",
-            default="",
+            default=None,
             help="Memory per op in stashes, e.g. F=1,W=-0.5 (B nets the rest).",
         ),
         click.option(
@@ -117,7 +119,9 @@ def _compile(
     profile=False,
     dp=1,
 ) -> CompileResult:
-    cost_model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
+    cost_model = CostModel() if costs is None else parse_costs(costs)
+    if mem is not None:
+        cost_model = parse_mem(mem, cost_model)
     memory_limit, in_bytes = _memory_limit(memory_limit)
     if in_bytes and model is None:
         raise PipecError(NEEDS_MODEL)
@@ -182,11 +186,17 @@ def _memory_limit(text: str | None) -> tuple[float | None, bool]:
     if text is None:
         return None, False
     try:
-        return float(text), False
+        stashes = float(text)
     except ValueError:
         from pipec.plan.memory import parse_bytes
 
         return float(parse_bytes(text, "--memory-limit")), True
+    if not 0 < stashes < math.inf:
+        raise PipecError(
+            f"--memory-limit must be a positive number of stashes, e.g. 5, or bytes with a "
+            f"unit, e.g. 40GiB (got '{text}')"
+        )
+    return stashes, False
 
 
 def _eviction(sim: SimResult, layout: Layout, costs: CostModel, plan: dict) -> dict:
@@ -252,6 +262,7 @@ def _rank_table(sim: SimResult) -> str:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="pipec", message="%(prog)s %(version)s")
 def cli() -> None:
     """pipec: compile pipeline-parallel schedules into verified, simulated per-rank programs."""
 
@@ -286,7 +297,12 @@ def schedules() -> None:
     help="Data-parallel copies of the pipeline (world = p·dp).",
 )
 @click.option(
-    "--out", "-o", type=click.Path(path_type=Path), default=Path("build"), show_default=True
+    "--out",
+    "-o",
+    type=click.Path(path_type=Path),
+    default=Path("build"),
+    show_default=True,
+    help="Build directory to write (created; replaced only with --force).",
 )
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
 def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
@@ -329,11 +345,22 @@ def simulate_cmd(as_json: bool, **opts) -> CompileResult:
 @cli.command()
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option(
-    "--lines", default=40, show_default=True, help="Instructions shown per rank (0: all)."
+    "--lines",
+    type=click.IntRange(min=0),
+    default=40,
+    show_default=True,
+    help="Instructions shown per rank (0: all).",
 )
-@click.option("--width", default=100, show_default=True, help="Width of the Gantt chart.")
+@click.option(
+    "--width",
+    type=click.IntRange(min=10),
+    default=100,
+    show_default=True,
+    help="Columns of the Gantt chart.",
+)
 def show(directory: Path, lines: int, width: int) -> None:
-    """Print a build's programs, per-rank figures and a terminal Gantt chart."""
+    """Print a build's programs, per-rank figures and a terminal Gantt chart; exit 2 when the
+    verifier finds the build broken (after its programs, which show where)."""
     build = load(directory)
     c = build.compiled
     click.echo(f"{c.schedule} p={c.p} m={c.m} v={c.v} plan {build.plan_hash}")
@@ -343,7 +370,10 @@ def show(directory: Path, lines: int, width: int) -> None:
         click.echo("\n".join(f"  {instr}" for instr in shown))
         if len(shown) < len(program):
             click.echo(f"  ... {len(program) - len(shown)} more (--lines 0 shows all)")
-    sim = simulate(c.layout, c.programs, build.costs)
+    try:
+        sim = check_build(build)
+    except PipecError as e:
+        raise PipecError(f"this build is broken: {e}") from None
     click.echo(_rank_table(sim))
     if build.plan.get("evict"):
         click.echo(_eviction_line(sim, c.layout, build.costs, build.plan))
@@ -357,17 +387,15 @@ def show(directory: Path, lines: int, width: int) -> None:
 @cli.command("verify")
 @click.argument("directory", type=click.Path(path_type=Path))
 def verify_cmd(directory: Path) -> None:
-    """Check a build's programs against the invariants; exit 2 on any violation."""
+    """Check a build: exactly the plan's files, the invariants, and stats.json against a
+    re-simulation; exit 2 on any violation."""
     build = load(directory)
+    sim = check_build(build)
     c = build.compiled
-    verify(c, build.costs, None, build.plan.get("memory_limit"))
-    sim = simulate(c.layout, c.programs, build.costs)
-    if build.plan.get("memory_limit_bytes") is not None:
-        check_stash_bytes(sim, build.plan["memory_limit_bytes"])
     n = sum(len(p) for p in c.programs)
     click.echo(
         f"ok: {c.world} ranks, {n} instructions verified (coverage, dependencies, "
-        f"deadlock-free matching, memory); makespan {sim.makespan:.6g}"
+        f"deadlock-free matching, memory; files and stats.json); makespan {sim.makespan:.6g}"
     )
 
 
@@ -503,6 +531,11 @@ def main(argv: list[str] | None = None) -> object:
         sys.exit(2)
 
 
+def _terminated(signum: int, frame: object) -> NoReturn:
+    click.echo("pipec: terminated", err=True)
+    sys.exit(128 + signum)
+
+
 def run() -> NoReturn:
     """The `pipec` command: `main()` with the collector paused, then an exit that leaves the
     heap to the operating system.
@@ -510,7 +543,9 @@ def run() -> NoReturn:
     A large compile holds 10^6 objects when its files are written. Freeing them one by one,
     the collector's scan of them and the interpreter's shutdown took another 1.0-1.5 s of a
     4.8 s `pipec compile` at p=64, m=1024. Exit handlers still run; open files are flushed.
+    SIGTERM exits as an exception would (status 143), so a half-written build is removed.
     """
+    signal.signal(signal.SIGTERM, _terminated)
     with gc_paused():
         try:
             kept = main()  # noqa: F841 - held, not freed, until the process ends
