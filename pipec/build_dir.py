@@ -20,10 +20,18 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from codegen.render import dump_json, render_launch, render_program, render_svg, trace_json
+from codegen.render import (
+    ChartFacts,
+    dump_json,
+    render_launch,
+    render_program,
+    render_svg,
+    trace_json,
+)
 from passes.costs import CostModel
 from passes.residency import check_stash_bytes
 from passes.simulate import SimResult, simulate
+from passes.stash_timeline import stash_over_time
 from passes.verify import verify
 from pipec.beside import beside
 from pipec.compile import PLAN_FORMAT, CompileResult, gc_paused, plan_hash
@@ -35,6 +43,13 @@ REPORTS = ("plan.json", "stats.json", "timeline.json", "schedule.svg")
 MEASURED = "measured"
 
 
+#: How a build compiled without --profile words its costs: FLOP estimates at an assumed speed.
+ESTIMATE_NOTE = (
+    "costs are FLOP estimates at an assumed {tflops:g} TFLOP/s, not measured here "
+    "(compile with --profile to time the stages on this machine)"
+)
+
+
 def rank_file(rank: int) -> str:
     return f"rank_{rank:03d}.pipe"
 
@@ -42,6 +57,28 @@ def rank_file(rank: int) -> str:
 def title(result: CompileResult) -> str:
     c = result.compiled
     return f"{c.schedule} p={c.p} m={c.m} v={c.v}"
+
+
+def chart_facts(result: CompileResult) -> ChartFacts:
+    """What the Gantt chart shows besides the timeline (see codegen/render.py's ChartFacts)."""
+    c = result.compiled
+    memory = stash_over_time(c.layout, c.programs, result.costs, result.sim)
+    unit, note = time_unit(result.plan)
+    limit = None if result.plan.get("memory_limit_bytes") else result.plan.get("memory_limit")
+    return ChartFacts(c.layout, memory, unit, note, limit)
+
+
+def time_unit(plan: dict) -> tuple[str, str]:
+    """The unit of a plan's times ('ms' for a model build; '' for schedule studies, whose
+    costs are in the user's unit) and, for costs the frontend estimated from FLOPs rather
+    than measured, a note that says so."""
+    model = plan.get("model")
+    if model is None:
+        return "", ""
+    cost = model.get("cost", {})
+    if cost.get("source") != "estimate":
+        return "ms", ""
+    return "ms", ESTIMATE_NOTE.format(tflops=cost["flops_per_s"] / 1e12)
 
 
 def render_files(result: CompileResult) -> dict[str, str]:
@@ -62,7 +99,7 @@ def render_half(result: CompileResult, half: int) -> dict[str, str]:
         header = Header(FORMAT_VERSION, rank, c.world, c.schedule, c.p, c.m, c.v, result.plan_hash)
         files[rank_file(rank)] = render_program(header, c.programs[rank])
     if half == 0:
-        files["schedule.svg"] = render_svg(result.sim, title(result))
+        files["schedule.svg"] = render_svg(result.sim, title(result), chart_facts(result))
         return files
     files["plan.json"] = result.plan_text
     files["stats.json"] = dump_json(stats(c, result.costs, result.sim))

@@ -27,7 +27,7 @@ from passes.residency import NEEDS_MODEL
 from passes.simulate import SimResult
 from passes.topology import Topology, make_topology
 from pipec import __version__
-from pipec.build_dir import check_build, emit, load
+from pipec.build_dir import check_build, emit, load, time_unit
 from pipec.compile import CompileResult, compile_schedule, gc_paused
 from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
 from pipec.ir import Layout, PipecError
@@ -247,8 +247,11 @@ def _placement_table(layout: Layout, topology: Topology | None) -> str:
     return "\n".join(lines)
 
 
-def _rank_table(sim: SimResult) -> str:
+def _rank_table(sim: SimResult, unit: str = "") -> str:
+    """Per-rank figures, then makespan and bubbles; times in `unit` (named when there is one)."""
     head = f"{'rank':>4}  {'busy':>10}  {'span':>10}  {'peak act':>9}  {'params':>6}  {'sync':>6}"
+    if unit:
+        head += f"  (times in {unit})"
     lines = [head]
     for r, s in enumerate(sim.ranks):
         lines.append(
@@ -256,7 +259,8 @@ def _rank_table(sim: SimResult) -> str:
             f"{s.params:>6.4g}  {s.sync:>6.4g}"
         )
     lines.append(
-        f"makespan {sim.makespan:.6g}  bubble {sim.bubble:.4f}  span_bubble {sim.span_bubble:.4f}"
+        f"makespan {sim.makespan:.6g}{' ' + unit if unit else ''}  bubble {sim.bubble:.4f}  "
+        f"span_bubble {sim.span_bubble:.4f}"
     )
     return "\n".join(lines)
 
@@ -311,10 +315,14 @@ def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
         result = _compile(**opts)
         emit(result, out, force)
     sim = result.sim
+    unit, note = time_unit(result.plan)
     click.echo(
         f"wrote {out}/: {result.compiled.world} rank programs, plan {result.plan_hash}; "
-        f"makespan {sim.makespan:.6g}, bubble {sim.bubble:.4f}, span_bubble {sim.span_bubble:.4f}"
+        f"makespan {sim.makespan:.6g}{' ' + unit if unit else ''}, bubble {sim.bubble:.4f}, "
+        f"span_bubble {sim.span_bubble:.4f}"
     )
+    if note:
+        click.echo(f"note: {note}")
     if result.plan.get("evict"):
         click.echo(_eviction_line(sim, result.compiled.layout, result.costs, result.plan))
     return result  # `run` holds it until the process ends: freeing it is wasted time
@@ -336,7 +344,10 @@ def simulate_cmd(as_json: bool, **opts) -> CompileResult:
             out["mapping"] = result.plan["mapping"]
         click.echo(json.dumps(out, sort_keys=True))
     else:
-        click.echo(_rank_table(result.sim))
+        unit, note = time_unit(result.plan)
+        click.echo(_rank_table(result.sim, unit))
+        if note:
+            click.echo(f"note: {note}")
         if evicted:
             click.echo(_eviction_line(result.sim, c.layout, result.costs, result.plan))
     return result  # as compile's
@@ -374,7 +385,10 @@ def show(directory: Path, lines: int, width: int) -> None:
         sim = check_build(build)
     except PipecError as e:
         raise PipecError(f"this build is broken: {e}") from None
-    click.echo(_rank_table(sim))
+    unit, note = time_unit(build.plan)
+    click.echo(_rank_table(sim, unit))
+    if note:
+        click.echo(f"note: {note}")
     if build.plan.get("evict"):
         click.echo(_eviction_line(sim, c.layout, build.costs, build.plan))
     click.echo(_placement_table(c.layout, build.costs.topology))
