@@ -11,7 +11,8 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
@@ -29,9 +30,11 @@ from passes.topology import Topology, make_topology
 from pipec import __version__
 from pipec.build_dir import check_build, emit, load, time_unit
 from pipec.compile import CompileResult, compile_schedule, gc_paused
+from pipec.footprint import check_fits
 from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
 from pipec.ir import Layout, PipecError
 from pipec.model import compile_model
+from pipec.progress import progress
 
 
 def _schedule_options(fn: Callable) -> Callable:
@@ -181,6 +184,23 @@ def _compile(
     )
 
 
+@contextmanager
+def _watched(opts: dict) -> Iterator[None]:
+    """Refuse a shape whose compile would not fit in memory, before building anything; report
+    progress while a long one runs. A CSV's shape is its own, and bad values are refused
+    where they are read."""
+    p, m, v = opts["pp"], opts["microbatches"], opts["chunks"]
+    name = opts["schedule"] or opts["from_torch"]
+    if name is None or p is None or m is None or min(p, m, v or 1) < 1:
+        yield
+        return
+    if v is None:
+        v = family(opts["schedule"]).default_v if opts["schedule"] else 1
+    need = check_fits(p, m, v)
+    with progress(f"compiling {name} p={p} m={m} v={v} ({need})"):
+        yield
+
+
 def _memory_limit(text: str | None) -> tuple[float | None, bool]:
     """`--memory-limit`: a plain number is stashes per rank; with a unit (40GiB) bytes."""
     if text is None:
@@ -311,7 +331,8 @@ def schedules() -> None:
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
 def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
     """Compile a schedule (for MODEL, path/to/file.py:factory, if given) into programs in OUT."""
-    with gc_paused():  # the collector's one scan of the 10^6 objects built comes after emit
+    # The collector's one scan of the 10^6 objects built comes after emit.
+    with gc_paused(), _watched(opts):
         result = _compile(**opts)
         emit(result, out, force)
     sim = result.sim
@@ -334,7 +355,8 @@ def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 def simulate_cmd(as_json: bool, **opts) -> CompileResult:
     """Simulate a schedule (for MODEL, path/to/file.py:factory, if given); writes nothing."""
-    result = _compile(**opts)
+    with _watched(opts):
+        result = _compile(**opts)
     evicted, c = result.plan.get("evict"), result.compiled
     if as_json:
         out = {"schedule": c.schedule, "p": c.p, "m": c.m, "v": c.v} | result.sim.to_json()

@@ -121,6 +121,12 @@ def plan_model(
 
     sizes = check(req, mbs)
     profile = profile_model(
-        spec, sizes, time_budget=time_budget, runs=runs, peak_flops=peak_flops, progress=progress
+        spec,
+        sizes,
+        time_budget=time_budget,
+        runs=runs,
+        peak_flops=peak_flops,
+        progress=progress,
+        p=req.p,
     )
     return plan_profile(profile, req)

@@ -75,11 +75,18 @@ def profile_model(
     runs: int = 3,
     peak_flops: float | None = None,
     progress: bool = True,
+    p: int = 1,
 ) -> ModelProfile:
-    """Profile `spec`'s blocks at each size in `sizes` (ascending) until time or memory stops."""
+    """Profile `spec`'s blocks at each size in `sizes` (ascending) until time or memory stops;
+    a model with fewer blocks than the `p` stages of a plan is refused before any of it."""
     try:
         ms = load_factory(spec)
         n_blocks = find_blocks(ms.model)[1]
+        if n_blocks < p:
+            raise PipecError(
+                f"{spec} has {n_blocks} blocks and --pp {p} needs at least one per stage; "
+                f"use --pp {n_blocks} or fewer"
+            )
         one_each = [1] * n_blocks
         facts = build_model_plan(ms, n_blocks, one_each, progress=False)
         blocks = split_model(ms, n_blocks, one_each)
