@@ -4,7 +4,7 @@ to PNG under docs/img/.
     python bench/charts.py [--out docs/img]
 
 Each chart is the `schedule.svg` that `pipec compile` writes for the command printed beside
-it; the PNG is that file rendered by resvg (`pip install resvg-py`, only needed here).
+it; the PNG is that file rendered by resvg (`pip install -e '.[docs]'`, only needed here).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def render_png(svg: Path, png: Path) -> None:
     try:
         import resvg_py
     except ImportError:
-        sys.exit("bench/charts.py renders with resvg: pip install resvg-py")
+        sys.exit("bench/charts.py renders with resvg: pip install -e '.[docs]'")
     data = resvg_py.svg_to_bytes(
         svg_path=str(svg),
         zoom=2,
