@@ -267,8 +267,10 @@ def _placement_table(layout: Layout, topology: Topology | None) -> str:
     return "\n".join(lines)
 
 
-def _rank_table(sim: SimResult, unit: str = "") -> str:
-    """Per-rank figures, then makespan and bubbles; times in `unit` (named when there is one)."""
+def _rank_table(sim: SimResult, plan: dict) -> str:
+    """Per-rank figures, then makespan and bubbles, times in the plan's unit (named when it
+    has one) and a note when they come from estimated costs."""
+    unit, note = time_unit(plan)
     head = f"{'rank':>4}  {'busy':>10}  {'span':>10}  {'peak act':>9}  {'params':>6}  {'sync':>6}"
     if unit:
         head += f"  (times in {unit})"
@@ -282,6 +284,8 @@ def _rank_table(sim: SimResult, unit: str = "") -> str:
         f"makespan {sim.makespan:.6g}{' ' + unit if unit else ''}  bubble {sim.bubble:.4f}  "
         f"span_bubble {sim.span_bubble:.4f}"
     )
+    if note:
+        lines.append(f"note: {note}")
     return "\n".join(lines)
 
 
@@ -366,10 +370,7 @@ def simulate_cmd(as_json: bool, **opts) -> CompileResult:
             out["mapping"] = result.plan["mapping"]
         click.echo(json.dumps(out, sort_keys=True))
     else:
-        unit, note = time_unit(result.plan)
-        click.echo(_rank_table(result.sim, unit))
-        if note:
-            click.echo(f"note: {note}")
+        click.echo(_rank_table(result.sim, result.plan))
         if evicted:
             click.echo(_eviction_line(result.sim, c.layout, result.costs, result.plan))
     return result  # as compile's
@@ -407,10 +408,7 @@ def show(directory: Path, lines: int, width: int) -> None:
         sim = check_build(build)
     except PipecError as e:
         raise PipecError(f"this build is broken: {e}") from None
-    unit, note = time_unit(build.plan)
-    click.echo(_rank_table(sim, unit))
-    if note:
-        click.echo(f"note: {note}")
+    click.echo(_rank_table(sim, build.plan))
     if build.plan.get("evict"):
         click.echo(_eviction_line(sim, c.layout, build.costs, build.plan))
     click.echo(_placement_table(c.layout, build.costs.topology))

@@ -10,6 +10,7 @@ from codegen.render import measured_table, render_svg
 from passes.stash_timeline import stash_over_time
 from pipec.build_dir import ESTIMATE_NOTE, chart_facts, time_unit
 from tests.helpers import run
+from tests.test_cli import ROOT, cli_run
 
 
 def svg_of(result) -> str:
@@ -161,3 +162,16 @@ def test_measured_table_compares_only_like_with_like():
     assert "0.0012" in estimated  # the simulated busy time is not printed as 0.00
     profiled = measured_table(measured_stats("profile"))
     assert "makespan 113.01 ms vs 0.00 ms (x23667.02)" in profiled
+
+
+def test_a_model_build_prints_ms_and_says_its_costs_are_estimates(tmp_path, capsys):
+    out = tmp_path / "b"
+    spec = f"{ROOT}/examples/gpt.py:tiny"
+    assert cli_run("compile", spec, "-s", "1f1b", "-p", "2", "-m", "2", "-o", str(out)) == 0
+    wrote, note = capsys.readouterr().out.splitlines()
+    assert re.search(r"makespan [\d.e-]+ ms, bubble", wrote)
+    assert note == f"note: {ESTIMATE_NOTE.format(tflops=100)}"
+    assert ESTIMATE_NOTE.format(tflops=100) in (out / "schedule.svg").read_text()
+    assert cli_run("show", str(out)) == 0
+    shown = capsys.readouterr().out
+    assert "(times in ms)" in shown and note in shown.splitlines()
