@@ -73,13 +73,6 @@ def _compute_only(slots: Sequence, delta: dict) -> Series:
     """A rank's series from its compute ops alone, every op a point (those that change
     nothing repeat the value). Maps in C, no Python code per op: 10^5 ops on a large chart."""
     ops = list(map(attrgetter("op"), map(itemgetter(0), slots)))
-    adds = {op: d > 0 for op, d in delta.items()}
-    # An op that adds counts from its start, one that frees from its end: (end, start)[adds].
-    times = list(
-        map(
-            getitem,
-            zip(map(itemgetter(2), slots), map(itemgetter(1), slots)),
-            map(adds.__getitem__, ops),
-        )
-    )
+    at = {op: 1 if d > 0 else 2 for op, d in delta.items()}  # a slot's start, or its end
+    times = list(map(getitem, slots, map(at.__getitem__, ops)))
     return times, list(accumulate(map(delta.__getitem__, ops)))

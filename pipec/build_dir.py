@@ -147,7 +147,7 @@ def emit(result: CompileResult, out: Path, force: bool = False) -> None:
     compiles left beside it when they were killed are removed first (see `_remove_stale`).
     """
     out = Path(out)
-    _check_out(out, force, title(result).split()[0])
+    check_out(out, force, result.compiled.schedule)
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out.parent)
     # Named after this process, so a later compile can tell when its owner is gone; created
@@ -171,11 +171,12 @@ def emit(result: CompileResult, out: Path, force: bool = False) -> None:
         raise
 
 
-def _check_out(out: Path, force: bool, schedule: str) -> None:
-    """Refuse an --out that emit cannot replace as a whole, or must not: the working directory
-    or one holding it, a file, a non-empty directory without `force`, and, even with it, a
-    directory that is not a pipec build or that holds another build (`make demo` writes
-    build/demo: replacing build would delete it)."""
+def check_out(out: Path, force: bool = False, schedule: str | None = None) -> None:
+    """Refuse an --out that emit cannot replace as a whole, or must not (before any work is
+    done for it): the working directory or one holding it, a file, a non-empty directory
+    without `force`, and, even with it, a directory that is not a pipec build or that holds
+    another build (`make demo` writes build/demo: replacing build would delete it). The
+    message suggests a directory beside the others, named after `schedule` when given."""
     try:
         inside = Path.cwd().resolve().is_relative_to(out.resolve())
     except OSError:  # the working directory is gone: nothing of it to protect
@@ -189,7 +190,7 @@ def _check_out(out: Path, force: bool, schedule: str) -> None:
         raise PipecError(f"--out {out} exists and is not a directory; choose another path")
     if not out.is_dir() or not any(out.iterdir()):
         return
-    beside_it = f"--out {out / schedule}"
+    beside_it = f"--out {out / (schedule or 'NAME')}"
     nested = next((d for d in sorted(out.iterdir()) if (d / "plan.json").is_file()), None)
     if nested is not None:
         raise PipecError(

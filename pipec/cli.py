@@ -28,7 +28,7 @@ from passes.residency import NEEDS_MODEL
 from passes.simulate import SimResult
 from passes.topology import Topology, make_topology
 from pipec import __version__
-from pipec.build_dir import check_build, emit, load, time_unit
+from pipec.build_dir import check_build, check_out, emit, load, time_unit
 from pipec.compile import CompileResult, compile_schedule, gc_paused
 from pipec.footprint import check_fits
 from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
@@ -335,6 +335,7 @@ def schedules() -> None:
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
 def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
     """Compile a schedule (for MODEL, path/to/file.py:factory, if given) into programs in OUT."""
+    check_out(out, force, opts["schedule"])  # before the work, which may be long
     # The collector's one scan of the 10^6 objects built comes after emit.
     with gc_paused(), _watched(opts):
         result = _compile(**opts)
