@@ -347,10 +347,10 @@ def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
         f"makespan {sim.makespan:.6g}{' ' + unit if unit else ''}, bubble {sim.bubble:.4f}, "
         f"span_bubble {sim.span_bubble:.4f}"
     )
-    if note:
-        click.echo(f"note: {note}")
     if result.plan.get("evict"):
         click.echo(_eviction_line(sim, result.compiled.layout, result.costs, result.plan))
+    if note:
+        click.echo(f"note: {note}")
     return result  # `run` holds it until the process ends: freeing it is wasted time
 
 

@@ -1,5 +1,5 @@
-"""A line on stderr every few seconds while a long compile runs: how long so far, and what it is
-doing.
+"""A line on the terminal every few seconds while a long compile runs: how long so far, and what
+it is doing.
 
 Driven by SIGALRM, not a thread: a running thread would stop `pipec/beside.py` from forking
 (a lock the thread holds would stay held in the child), and the compile's two-core speed-up
@@ -38,9 +38,12 @@ STEPS = (
 @contextmanager
 def progress(what: str) -> Iterator[None]:
     """Report on `what` (e.g. 'compiling 1f1b p=64 m=1024 v=1 (65536 stage ops...)') every
-    EVERY_S seconds once FIRST_S have passed; outside the main thread, nothing."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(
-        signal, "setitimer"
+    EVERY_S seconds once FIRST_S have passed, to a terminal: nothing when stderr is a file or
+    a pipe (scripts and tests read it for errors), or outside the main thread."""
+    if (
+        not sys.stderr.isatty()
+        or threading.current_thread() is not threading.main_thread()
+        or not hasattr(signal, "setitimer")
     ):
         yield
         return

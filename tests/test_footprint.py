@@ -58,6 +58,7 @@ def test_the_estimate_is_close_to_the_measured_peak(schedule, p, m, v):
 def test_a_long_compile_reports_progress(monkeypatch, capsys):
     monkeypatch.setattr(progress, "FIRST_S", 0.01)
     monkeypatch.setattr(progress, "EVERY_S", 0.02)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # progress goes to terminals
     assert cli_run("simulate", "-s", "1f1b", "-p", "32", "-m", "512", "--json") == 0
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
@@ -66,6 +67,13 @@ def test_a_long_compile_reports_progress(monkeypatch, capsys):
         assert line.startswith("pipec: compiling 1f1b p=32 m=512 v=1 (16384 stage ops, about ")
         assert " s so far" in line
     assert json.loads(captured.out)["makespan"] > 0  # the output is the command's alone
+
+
+def test_no_progress_where_stderr_is_not_a_terminal(monkeypatch, capsys):
+    monkeypatch.setattr(progress, "FIRST_S", 0.01)
+    monkeypatch.setattr(progress, "EVERY_S", 0.02)
+    assert cli_run("simulate", "-s", "1f1b", "-p", "32", "-m", "512", "--json") == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_progress_names_the_outermost_step():
