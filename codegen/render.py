@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from itertools import groupby
+from itertools import chain, groupby
 from operator import itemgetter
 
 import jinja2
@@ -353,7 +353,7 @@ def _strip(
     # Heights in tenths of a pixel up from the strip's bottom (the path is scaled by 0.1).
     tenths = map(round, map((10 * STRIP_HEIGHT / peak).__mul__, highest))
     steps = "".join(
-        map(str.__add__, map(_STEP_X.__getitem__, cols), map(_STEP_Y.__getitem__, tenths))
+        chain.from_iterable(zip(map(_STEP_X.__getitem__, cols), map(_STEP_Y.__getitem__, tenths)))
     )
     end = LEFT + int(scale * times[-1])
     return (

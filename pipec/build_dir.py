@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
 from dataclasses import dataclass
 from functools import partial
@@ -88,13 +87,13 @@ def render_files(result: CompileResult) -> dict[str, str]:
 
 def render_half(result: CompileResult, half: int) -> dict[str, str]:
     """Half of the files, by name (`emit` prints the two halves on two cores): 0, the Gantt
-    chart and three ranks' programs in four; 1, the reports and the fourth rank's. Printing
-    the timeline takes about as long as printing every program, the chart under half that,
-    so the halves take about as long as each other."""
+    chart and the even ranks' programs; 1, the reports and the odd ranks'. The chart, the
+    timeline and all the programs take about as long as each other to print (p=64,
+    m=1024), so the halves do too."""
     c = result.compiled
     files = {}
     for rank in range(c.world):
-        if (rank % 4 == 3) != (half == 1):
+        if rank % 2 != half:
             continue
         header = Header(FORMAT_VERSION, rank, c.world, c.schedule, c.p, c.m, c.v, result.plan_hash)
         files[rank_file(rank)] = render_program(header, c.programs[rank])
@@ -152,7 +151,7 @@ def emit(result: CompileResult, out: Path, force: bool = False) -> None:
     _remove_stale(out.parent)
     # Named after this process, so a later compile can tell when its owner is gone; created
     # with the umask's mode (mkdtemp's would be 0700, and the rename keeps it).
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
     tmp.mkdir()
     try:
         # On a large compile, half of the files print on the other core.
@@ -160,7 +159,7 @@ def emit(result: CompileResult, out: Path, force: bool = False) -> None:
         with gc_paused(), beside(partial(_write, tmp, result, 0), work):
             _write(tmp, result, 1)
         if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+            old = out.with_name(f".{out.name}.old-{os.getpid()}-{os.urandom(4).hex()}")
             out.rename(old)
             tmp.rename(out)
             shutil.rmtree(old)
