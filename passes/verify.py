@@ -14,7 +14,7 @@
 
 Invariants 2 and 3 are checked together by executing the programs under blocking semantics in
 one O(n) worklist pass (`passes/execution.py`). A violation is a `VerifyError` naming rank,
-position, instruction.
+position, instruction; a deadlock names the whole cycle of ranks that wait on each other.
 """
 
 from __future__ import annotations

@@ -8,9 +8,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import math
 import os
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -23,13 +26,16 @@ from passes.evict import amount
 from passes.placement import MAPPINGS
 from passes.registry import SCHEDULES, family
 from passes.residency import NEEDS_MODEL
-from passes.simulate import SimResult, simulate
+from passes.simulate import SimResult
 from passes.topology import Topology, make_topology
-from pipec.build_dir import emit, load, verify_build
+from pipec import __version__
+from pipec.build_dir import check_build, check_out, emit, load, time_unit
 from pipec.compile import CompileResult, compile_schedule, gc_paused
+from pipec.footprint import check_fits
 from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
 from pipec.ir import Layout, PipecError
 from pipec.model import compile_model
+from pipec.progress import progress
 
 DEVICE_HELP = (
     "Profile on this device: cpu, cuda or cuda:N, the one the build will run on (default: "
@@ -57,12 +63,12 @@ def _schedule_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--costs",
-            default="",
+            default=None,
             help="Per-op costs, e.g. F=1,B=1,W=1,comm=0 (F=1:2:1:1 per chunk).",
         ),
         click.option(
             "--mem",
-            default="",
+            default=None,
             help="Memory per op in stashes, e.g. F=1,W=-0.5 (B nets the rest).",
         ),
         click.option(
@@ -128,7 +134,9 @@ def _compile(
     micro_batch_size=None,
     plan_profile=None,
 ) -> CompileResult:
-    cost_model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
+    cost_model = CostModel() if costs is None else parse_costs(costs)
+    if mem is not None:
+        cost_model = parse_mem(mem, cost_model)
     memory_limit, in_bytes = _memory_limit(memory_limit)
     if in_bytes and model is None:
         raise PipecError(NEEDS_MODEL)
@@ -243,16 +251,39 @@ def _compile_planned(
     return compile_planned(spec, load_saved(path), job, micro_batch_size, dp)
 
 
+@contextmanager
+def _watched(opts: dict) -> Iterator[None]:
+    """Refuse a shape whose compile would not fit in memory, before building anything; report
+    progress while a long one runs. A CSV's shape is its own, and bad values are refused
+    where they are read."""
+    p, m, v = opts["pp"], opts["microbatches"], opts["chunks"]
+    name = opts["schedule"] or opts["from_torch"]
+    if name is None or p is None or m is None or min(p, m, v or 1) < 1:
+        yield
+        return
+    if v is None:
+        v = family(opts["schedule"]).default_v if opts["schedule"] else 1
+    need = check_fits(p, m, v)
+    with progress(f"compiling {name} p={p} m={m} v={v} ({need})"):
+        yield
+
+
 def _memory_limit(text: str | None) -> tuple[float | None, bool]:
     """`--memory-limit`: a plain number is stashes per rank; with a unit (40GiB) bytes."""
     if text is None:
         return None, False
     try:
-        return float(text), False
+        stashes = float(text)
     except ValueError:
         from pipec.plan.memory import parse_bytes
 
         return float(parse_bytes(text, "--memory-limit")), True
+    if not 0 < stashes < math.inf:
+        raise PipecError(
+            f"--memory-limit must be a positive number of stashes, e.g. 5, or bytes with a "
+            f"unit, e.g. 40GiB (got '{text}')"
+        )
+    return stashes, False
 
 
 def _eviction(sim: SimResult, layout: Layout, costs: CostModel, plan: dict) -> dict:
@@ -303,8 +334,13 @@ def _placement_table(layout: Layout, topology: Topology | None) -> str:
     return "\n".join(lines)
 
 
-def _rank_table(sim: SimResult) -> str:
+def _rank_table(sim: SimResult, plan: dict) -> str:
+    """Per-rank figures, then makespan and bubbles, times in the plan's unit (named when it
+    has one) and a note when they come from estimated costs."""
+    unit, note = time_unit(plan)
     head = f"{'rank':>4}  {'busy':>10}  {'span':>10}  {'peak act':>9}  {'params':>6}  {'sync':>6}"
+    if unit:
+        head += f"  (times in {unit})"
     lines = [head]
     for r, s in enumerate(sim.ranks):
         lines.append(
@@ -312,12 +348,16 @@ def _rank_table(sim: SimResult) -> str:
             f"{s.params:>6.4g}  {s.sync:>6.4g}"
         )
     lines.append(
-        f"makespan {sim.makespan:.6g}  bubble {sim.bubble:.4f}  span_bubble {sim.span_bubble:.4f}"
+        f"makespan {sim.makespan:.6g}{' ' + unit if unit else ''}  bubble {sim.bubble:.4f}  "
+        f"span_bubble {sim.span_bubble:.4f}"
     )
+    if note:
+        lines.append(f"note: {note}")
     return "\n".join(lines)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="pipec", message="%(prog)s %(version)s")
 def cli() -> None:
     """pipec: compile pipeline-parallel schedules into verified, simulated per-rank programs."""
 
@@ -365,21 +405,32 @@ def schedules() -> None:
     help="With MODEL: price the build from a profile `pipec plan` saved, as the plan did.",
 )
 @click.option(
-    "--out", "-o", type=click.Path(path_type=Path), default=Path("build"), show_default=True
+    "--out",
+    "-o",
+    type=click.Path(path_type=Path),
+    default=Path("build"),
+    show_default=True,
+    help="Build directory to write (created; replaced only with --force).",
 )
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
 def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
     """Compile a schedule (for MODEL, path/to/file.py:factory, if given) into programs in OUT."""
-    with gc_paused():  # the collector's one scan of the 10^6 objects built comes after emit
+    check_out(out, force, opts["schedule"])  # before the work, which may be long
+    # The collector's one scan of the 10^6 objects built comes after emit.
+    with gc_paused(), _watched(opts):
         result = _compile(**opts)
         emit(result, out, force)
     sim = result.sim
+    unit, note = time_unit(result.plan)
     click.echo(
         f"wrote {out}/: {result.compiled.world} rank programs, plan {result.plan_hash}; "
-        f"makespan {sim.makespan:.6g}, bubble {sim.bubble:.4f}, span_bubble {sim.span_bubble:.4f}"
+        f"makespan {sim.makespan:.6g}{' ' + unit if unit else ''}, bubble {sim.bubble:.4f}, "
+        f"span_bubble {sim.span_bubble:.4f}"
     )
     if result.plan.get("evict"):
         click.echo(_eviction_line(sim, result.compiled.layout, result.costs, result.plan))
+    if note:
+        click.echo(f"note: {note}")
     return result  # `run` holds it until the process ends: freeing it is wasted time
 
 
@@ -389,7 +440,8 @@ def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 def simulate_cmd(as_json: bool, **opts) -> CompileResult:
     """Simulate a schedule (for MODEL, path/to/file.py:factory, if given); writes nothing."""
-    result = _compile(**opts)
+    with _watched(opts):
+        result = _compile(**opts)
     evicted, c = result.plan.get("evict"), result.compiled
     if as_json:
         out = {"schedule": c.schedule, "p": c.p, "m": c.m, "v": c.v} | result.sim.to_json()
@@ -399,7 +451,7 @@ def simulate_cmd(as_json: bool, **opts) -> CompileResult:
             out["mapping"] = result.plan["mapping"]
         click.echo(json.dumps(out, sort_keys=True))
     else:
-        click.echo(_rank_table(result.sim))
+        click.echo(_rank_table(result.sim, result.plan))
         if evicted:
             click.echo(_eviction_line(result.sim, c.layout, result.costs, result.plan))
     return result  # as compile's
@@ -408,11 +460,22 @@ def simulate_cmd(as_json: bool, **opts) -> CompileResult:
 @cli.command()
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option(
-    "--lines", default=40, show_default=True, help="Instructions shown per rank (0: all)."
+    "--lines",
+    type=click.IntRange(min=0),
+    default=40,
+    show_default=True,
+    help="Instructions shown per rank (0: all).",
 )
-@click.option("--width", default=100, show_default=True, help="Width of the Gantt chart.")
+@click.option(
+    "--width",
+    type=click.IntRange(min=10),
+    default=100,
+    show_default=True,
+    help="Columns of the Gantt chart.",
+)
 def show(directory: Path, lines: int, width: int) -> None:
-    """Print a build's programs, per-rank figures and a terminal Gantt chart."""
+    """Print a build's programs, per-rank figures and a terminal Gantt chart; exit 2 when the
+    verifier finds the build broken (after its programs, which show where)."""
     build = load(directory)
     c = build.compiled
     click.echo(f"{c.schedule} p={c.p} m={c.m} v={c.v} plan {build.plan_hash}")
@@ -422,8 +485,11 @@ def show(directory: Path, lines: int, width: int) -> None:
         click.echo("\n".join(f"  {instr}" for instr in shown))
         if len(shown) < len(program):
             click.echo(f"  ... {len(program) - len(shown)} more (--lines 0 shows all)")
-    sim = simulate(c.layout, c.programs, build.costs)
-    click.echo(_rank_table(sim))
+    try:
+        sim = check_build(build)
+    except PipecError as e:
+        raise PipecError(f"this build is broken: {e}") from None
+    click.echo(_rank_table(sim, build.plan))
     if build.plan.get("evict"):
         click.echo(_eviction_line(sim, c.layout, build.costs, build.plan))
     click.echo(_placement_table(c.layout, build.costs.topology))
@@ -447,14 +513,15 @@ def _echo_planned(plan: dict, stats: dict) -> None:
 @cli.command("verify")
 @click.argument("directory", type=click.Path(path_type=Path))
 def verify_cmd(directory: Path) -> None:
-    """Check a build's programs against the invariants; exit 2 on any violation."""
+    """Check a build: exactly the plan's files, the invariants, and stats.json against a
+    re-simulation; exit 2 on any violation."""
     build = load(directory)
+    sim = check_build(build)
     c = build.compiled
-    sim = verify_build(build)
     n = sum(len(p) for p in c.programs)
     click.echo(
         f"ok: {c.world} ranks, {n} instructions verified (coverage, dependencies, "
-        f"deadlock-free matching, memory); makespan {sim.makespan:.6g}"
+        f"deadlock-free matching, memory; files and stats.json); makespan {sim.makespan:.6g}"
     )
 
 
@@ -683,6 +750,11 @@ def main(argv: list[str] | None = None) -> object:
         sys.exit(2)
 
 
+def _terminated(signum: int, frame: object) -> NoReturn:
+    click.echo("pipec: terminated", err=True)
+    sys.exit(128 + signum)
+
+
 def run() -> NoReturn:
     """The `pipec` command: `main()` with the collector paused, then an exit that leaves the
     heap to the operating system.
@@ -690,7 +762,9 @@ def run() -> NoReturn:
     A large compile holds 10^6 objects when its files are written. Freeing them one by one,
     the collector's scan of them and the interpreter's shutdown took another 1.0-1.5 s of a
     4.8 s `pipec compile` at p=64, m=1024. Exit handlers still run; open files are flushed.
+    SIGTERM exits as an exception would (status 143), so a half-written build is removed.
     """
+    signal.signal(signal.SIGTERM, _terminated)
     with gc_paused():
         try:
             kept = main()  # noqa: F841 - held, not freed, until the process ends

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from codegen.render import measured_table
 from passes.simulate import simulate
 from pipec import checkpoint
-from pipec.build_dir import Build, load, title, verify_build
+from pipec.build_dir import Build, check_build, load, title
 from pipec.frontend import FrontendError, load_factory
 from pipec.ir import Op, PipecError
 from pipec.provenance import check_model, resolve
@@ -188,7 +188,7 @@ def preflight(build_dir: Path, args: argparse.Namespace, world: int, local_world
     build = load(build_dir)
     if not args.no_verify:
         try:
-            verify_build(build)
+            check_build(build)
         except PipecError as e:
             raise PipecError(
                 f"{build.path} fails verification: {e} (recompile; --no-verify skips this check)"

@@ -130,5 +130,6 @@ def plan_model(
         peak_flops=peak_flops,
         progress=progress,
         device=device,
+        p=req.p,
     )
     return plan_profile(profile, req)

@@ -94,14 +94,21 @@ def profile_model(
     peak_flops: float | None = None,
     progress: bool = True,
     device: str | None = None,
+    p: int = 1,
 ) -> ModelProfile:
     """Profile `spec`'s blocks at each size in `sizes` (ascending) until time or memory stops,
-    on `device` (`--device`; default: where the factory builds the model)."""
+    on `device` (`--device`; default: where the factory builds the model); a model with fewer
+    blocks than the `p` stages of a plan is refused before any of it."""
     try:
         ms = load_factory(spec)
         ms = ms if device is None else on_device(ms, device)
         sized = takes_micro_batch_size(spec)
         n_blocks = find_blocks(ms.model)[1]
+        if n_blocks < p:
+            raise PipecError(
+                f"{spec} has {n_blocks} blocks and --pp {p} needs at least one per stage; "
+                f"use --pp {n_blocks} or fewer"
+            )
         one_each = [1] * n_blocks
         facts = build_model_plan(ms, n_blocks, one_each, progress=False)
         blocks = split_model(ms, n_blocks, one_each)
