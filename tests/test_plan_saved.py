@@ -197,7 +197,7 @@ def test_every_json_row_carries_the_command_that_builds_it(tmp_path, capsys):
     "args, message",
     [
         (["--pick", "2"], "--pick chooses the row --out builds"),
-        (["--out", "{tmp}"], "exists and is not empty; pass --force"),
+        (["--out", "{tmp}"], "holds files that are not a pipec build"),
     ],
 )
 def test_plan_out_refusals_come_before_profiling(tmp_path, capsys, args, message):
