@@ -67,11 +67,13 @@ def _warmup(row: list[str], r: int, p: int, m: int, top: int) -> list[str]:
     return new + row[cut:]
 
 
-def rebuild_cooldown(grid: list[list[str]], m: int) -> Orders | None:
+def rebuild_cooldown(grid: list[list[str]], m: int, over_weights: bool = False) -> Orders | None:
     """The paper's cool-down: after rank 0's last f at slot S, rank r runs its last b's at
     S - r + 2p - 2k and its last B's at S + 1 + r - 2k (k = 0, 1, ...: chained as tightly as
     the V allows), (top+1)//2 b's and up to r+1 B's of them; the W's taken out of the tail
-    go back into free slots after the last W left. None if a chained slot is taken."""
+    go back into free slots after the last W left. With `over_weights` a B may take a weight
+    pass's slot (that weight pass goes back with the others, as the reference code's adaptive
+    search does). None if a chained slot is taken otherwise."""
     p = len(grid)
     top = max(peak(row) for row in grid)
     max_b1 = min((top + 1) // 2, m)
@@ -92,10 +94,11 @@ def rebuild_cooldown(grid: list[list[str]], m: int) -> Orders | None:
             if row[j] in "Ww":
                 taken[row[j]] += 1
                 row[j] = " "
-        for kind, first, step in (("b", start - r + 2 * p, -2), ("B", start + 1 + r, -2)):
+        over = " Ww" if over_weights else " "
+        for kind, first, free in (("b", start - r + 2 * p, " "), ("B", start + 1 + r, over)):
             for k in range(taken[kind]):
-                slot = first + step * k
-                if slot < 0 or row[slot] != " ":
+                slot = first - 2 * k
+                if slot < 0 or row[slot] not in free:
                     return None
                 row[slot] = kind
     return [_refill_weights(row) for row in rows]
@@ -110,7 +113,7 @@ def _refill_weights(row: list[str]) -> list[str]:
             owed["W" if kind == "B" else "w"] += 1
         elif kind in "Ww":
             owed[kind] -= 1
-        elif j > last:
+        elif kind == " " and j > last:
             for w in "Ww":
                 if owed[w] > 0:
                     row[j], owed[w] = w, owed[w] - 1
@@ -241,18 +244,24 @@ def _within(orders: Orders, tops: list[int]) -> bool:
     return all(a <= b for a, b in zip(_peaks(orders), tops))
 
 
-def build(block: Block, m: int, thorough: bool = True) -> Orders | None:
-    """The schedule of `block` for m micro-batches, or None if no variant is valid.
+def variants(block: Block, m: int, thorough: bool = True, shared: bool = False) -> list[Orders]:
+    """The schedules of `block` for m micro-batches: the paper's cool-down, then (`thorough`)
+    list scheduling's; invalid ones are left out.
 
     Built with max(m, 2p) micro-batches so the warm-up rewrite sees a stable phase; the spare
     ones are dropped before the cool-down is reordered. No rank's peak rises above its peak
-    in the repeated block (which the lifespan rule bounds). Without `thorough`, only the
-    paper's cool-down is tried (the cheap variant a search tries first; None when it fails).
+    in the repeated block (which the lifespan rule bounds), or with `shared` above the largest
+    of them (the reference adaptive search's rule: a rank with room may use it).
     """
     p = len(block)
+
+    def caps(orders: Orders | list[list[str]]) -> list[int]:
+        peaks = _peaks(orders)
+        return [max(peaks)] * p if shared else peaks
+
     spare = max(m, 2 * p)
     orders = repeat(block, spare)
-    tops = _peaks(orders)
+    tops = caps(orders)
     warm = reorder_warmup(orders, spare, [min(t, 2 * p) for t in tops])
     if slot_times(warm) is not None and _within(warm, tops):
         orders = warm
@@ -260,19 +269,25 @@ def build(block: Block, m: int, thorough: bool = True) -> Orders | None:
         orders = keep_first(orders, m)
     grid = squeezed(orders)
     assert grid is not None
-    variants = []
-    rebuilt = rebuild_cooldown(grid, m)
+    found = []
+    rebuilt = rebuild_cooldown(grid, m, over_weights=shared)
     if rebuilt is not None and (g := squeezed(relabel_w(rebuilt))) is not None:
-        variants.append(relabel_w(fill_bubbles(g, _peaks(g))))
+        found.append(relabel_w(fill_bubbles(g, caps(g))))
     if thorough:
-        filled = squeezed(relabel_w(fill_bubbles(grid, _peaks(grid))))
+        filled = squeezed(relabel_w(fill_bubbles(grid, caps(grid))))
         if filled is not None:
-            variants.append(relabel_w(list_cooldown(filled)))
+            found.append(relabel_w(list_cooldown(filled)))
+    return [v for v in found if slot_times(v) is not None and _within(v, tops)]
+
+
+def build(block: Block, m: int, thorough: bool = True) -> Orders | None:
+    """The shortest in slots of `variants(block, m, thorough)`, or None if there is none.
+    Without `thorough`, only the paper's cool-down is tried (the cheap variant a search tries
+    first)."""
     best, best_length = None, 0
-    for v in variants:
+    for v in variants(block, m, thorough):
         times = slot_times(v)
-        if times is None or not _within(v, tops):
-            continue
+        assert times is not None
         length = max(t[-1] for t in times)
         if best is None or length < best_length:
             best, best_length = v, length
