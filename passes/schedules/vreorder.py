@@ -26,6 +26,7 @@ from passes.schedules.vblocks import (
     repeat,
     slot_times,
     squeezed,
+    to_grid,
     waits_for,
 )
 
@@ -263,21 +264,26 @@ def variants(block: Block, m: int, thorough: bool = True, shared: bool = False) 
     orders = repeat(block, spare)
     tops = caps(orders)
     warm = reorder_warmup(orders, spare, [min(t, 2 * p) for t in tops])
-    if slot_times(warm) is not None and _within(warm, tops):
+    times = slot_times(warm)
+    if times is not None and _within(warm, tops):
         orders = warm
+    else:
+        times = None
     if spare > m:
-        orders = keep_first(orders, m)
-    grid = squeezed(orders)
-    assert grid is not None
+        orders, times = keep_first(orders, m), None
+    times = times or slot_times(orders)  # the warm-up's squeeze serves when nothing changed
+    assert times is not None
+    grid = to_grid(orders, times)
     found = []
     rebuilt = rebuild_cooldown(grid, m, over_weights=shared)
     if rebuilt is not None and (g := squeezed(relabel_w(rebuilt))) is not None:
         found.append(relabel_w(fill_bubbles(g, caps(g))))
     if thorough:
         filled = squeezed(relabel_w(fill_bubbles(grid, caps(grid))))
-        if filled is not None:
-            found.append(relabel_w(list_cooldown(filled)))
-    return [v for v in found if slot_times(v) is not None and _within(v, tops)]
+        assert filled is not None  # moving passes to earlier idle slots keeps them valid
+        found.append(relabel_w(list_cooldown(filled)))
+    # Filling bubbles and list scheduling keep every input before its use: no deadlock here.
+    return [v for v in found if _within(v, tops)]
 
 
 def build(block: Block, m: int, thorough: bool = True) -> Orders | None:
