@@ -192,6 +192,7 @@ def pairs(ours: list[Row], peers: list[Row]) -> list[Pair]:
     """Each pipec row beside the peers it answers to (see the module docstring)."""
     found = []
     for row in ours:
+        seen = set()  # a peer listed for two families is one peer of a limit family
         for peer in peers:
             if (peer.p, peer.m, peer.costs) != (row.p, row.m, row.costs):
                 continue
@@ -199,7 +200,9 @@ def pairs(ours: list[Row], peers: list[Row]) -> list[Pair]:
                 fits = GROUP[peer.family] == GROUP[row.family] and peer.peak <= row.limit + REL
             else:
                 fits = peer.family == row.family
-            if fits:
+            key = (peer.who, peer.limit, peer.makespan)
+            if fits and key not in seen:
+                seen.add(key)
                 found.append(Pair(row, peer))
     return found
 
