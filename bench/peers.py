@@ -140,16 +140,24 @@ def limits(family: str, p: int, extra: set[float]) -> list[float | None]:
     return [None]
 
 
+def pipec_row(family: str, p: int, m: int, costs: str, limit: float | None) -> Row | None:
+    """pipec's figures for one family at (p, m, costs, limit); None (said on stderr) if the
+    family refuses the shape."""
+    try:
+        result = compile_schedule(family, p, m, None, COSTS[costs], limit)
+    except PipecError as e:
+        print(f"pipec {family} p={p} m={m} limit={limit}: {e}", file=sys.stderr)
+        return None
+    return Row(family, p, m, costs, limit, "pipec", *figures(result))
+
+
 def pipec_rows(p: int, m: int, costs: str, extra: set[float] = frozenset()) -> Iterator[Row]:
     """pipec's row of every family at (p, m, costs), at each of its limits."""
     for family in GROUP:
         for limit in limits(family, p, extra if family == "v-adaptive" else set()):
-            try:
-                result = compile_schedule(family, p, m, None, COSTS[costs], limit)
-            except PipecError as e:
-                print(f"pipec {family} p={p} m={m} limit={limit}: {e}", file=sys.stderr)
-                continue
-            yield Row(family, p, m, costs, limit, "pipec", *figures(result))
+            row = pipec_row(family, p, m, costs, limit)
+            if row is not None:
+                yield row
 
 
 def torch_rows(p: int, m: int, costs: str) -> Iterator[Row]:

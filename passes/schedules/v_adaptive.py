@@ -38,7 +38,7 @@ from passes.schedules.vblocks import (
     peak,
     start_times,
 )
-from passes.schedules.vreorder import build, variants
+from passes.schedules.vreorder import build, every_variant, variants
 from passes.schedules.vshape import peer_orders, v_family, v_schedule
 from pipec.ir import PipecError, Schedule
 
@@ -124,12 +124,7 @@ def search(p: int, m: int, costs: CostModel, limit: float) -> Orders:
     finalists = [block for _, block in sorted(shortlist, key=lambda t: t[0])[:FINALISTS]]
     if not finalists:  # no block took the paper's cool-down: every block of the level
         finalists = list(top)
-    candidates = [
-        orders
-        for block in finalists
-        for shared in (False, True)
-        for orders in variants([list(s) for s in block], m, shared=shared)
-    ]
+    candidates = [orders for block in finalists for orders in every_variant(list(block), m)]
     best = shortest([*candidates, *peer_orders(p, m)], costs, limit)
     if best is None:
         raise PipecError(_infeasible(p, m, limit, stash, levels[min(levels)]))

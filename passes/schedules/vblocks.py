@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from itertools import accumulate
 
 from passes.costs import CostModel
 from pipec.ir import Instr, Op, Program
@@ -190,11 +191,7 @@ def squeezed(orders: Orders) -> list[list[str]] | None:
 
 def peak(row: list[str]) -> int:
     """A rank's peak live chunk stashes: F and f add one, W and w free one."""
-    live = top = 0
-    for kind in row:
-        live += MEM[kind]
-        top = max(top, live)
-    return top
+    return max(accumulate(map(MEM.__getitem__, row), initial=0))
 
 
 def relabel_w(orders: Orders) -> Orders:

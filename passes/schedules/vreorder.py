@@ -186,12 +186,13 @@ def fill_bubbles(grid: list[list[str]], tops: list[int]) -> Orders:
         for row in grid
     ]
     count = [dict.fromkeys(KINDS, 0) for _ in range(p)]
+    deps = [{k: waits_for(p, r, k) for k in KINDS} for r in range(p)]
     at: dict[tuple[int, str, int], int] = {}
     live = [0] * p
     for j in range(length):
         for r, row in enumerate(grid):
             if row[j] == " ":
-                _pull_forward(grid, r, j, last[r], count[r], at, live[r], tops[r])
+                _pull_forward(row, j, last[r], count[r], at, live[r], tops[r], deps[r])
             kind = row[j]
             if kind != " ":
                 at[(r, kind, count[r][kind])] = j
@@ -201,32 +202,36 @@ def fill_bubbles(grid: list[list[str]], tops: list[int]) -> Orders:
 
 
 def _pull_forward(
-    grid: list[list[str]],
-    r: int,
+    row: list[str],
     j: int,
     last: dict[str, int],
     count: dict[str, int],
     at: dict[tuple[int, str, int], int],
     live: int,
     top: int,
+    deps: dict[str, tuple[int, str] | None],
 ) -> None:
-    """Move into grid[r][j] the first pass after j that may run there (see fill_bubbles)."""
-    p, row = len(grid), grid[r]
+    """Move into row[j] the first pass after j that may run there (see fill_bubbles); `deps`
+    is what each kind of pass waits for on this rank. Written out: the hottest loop of a
+    V-shape search."""
     candidates = {k for k in KINDS if last[k] > j}
     delta = rise = 0
     for k in range(j + 1, len(row)):
+        kind = row[k]
+        if kind == " ":
+            continue
         if not candidates:
             return
-        kind = row[k]
         rise_before = rise
         delta += MEM[kind]
-        rise = max(rise, delta)
+        if delta > rise:  # noqa: PLR1730 - a compare, not a call of max(): a hot loop
+            rise = delta
         if kind not in candidates:
             continue
         candidates.discard(kind)
         if MEM[kind] > 0 and live + rise_before >= top:
             continue  # the forward would be live over [j, k): the peak would rise
-        dep = waits_for(p, r, kind)
+        dep = deps[kind]
         if dep is not None:
             done = at.get((dep[0], dep[1], count[kind]))
             if done is None or done >= j:
@@ -284,6 +289,16 @@ def variants(block: Block, m: int, thorough: bool = True, shared: bool = False) 
         found.append(relabel_w(list_cooldown(filled)))
     # Filling bubbles and list scheduling keep every input before its use: no deadlock here.
     return [v for v in found if _within(v, tops)]
+
+
+def every_variant(block: Block, m: int) -> list[Orders]:
+    """`variants` with each rank within its own peak, then with every rank within the largest:
+    where all ranks of the repeated block peak alike the two are the same orders (a rebuilt
+    cool-down that needs no weight pass's slot is built the same way), so they are built once.
+    """
+    p = len(block)
+    alike = len(set(_peaks(repeat(block, max(m, 2 * p))))) == 1
+    return ([] if alike else variants(block, m)) + variants(block, m, shared=True)
 
 
 def build(block: Block, m: int, thorough: bool = True) -> Orders | None:
