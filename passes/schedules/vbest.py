@@ -12,7 +12,8 @@ them apart the family's own construction is what it emits.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from itertools import accumulate
 
 from passes.costs import CostModel
 from passes.schedules.vblocks import Orders, durations, start_times
@@ -36,32 +37,37 @@ def makespan(orders: Orders, costs: CostModel) -> float:
     return max(s[-1] + dur[r][orders[r][-1]] for r, s in enumerate(starts) if s)
 
 
-def peak(orders: Orders, costs: CostModel) -> float:
-    """The largest rank peak of live activations in rank shares (the simulator's figure):
-    a chunk's stash is half a share; F adds mem_F of it, B frees all but -mem_W, W the rest."""
+def rank_peaks(orders: Orders, costs: CostModel) -> list[float]:
+    """Each rank's peak of live activations in rank shares (the simulator's figure): a
+    chunk's stash is half a share; F adds mem_F of it, B frees all but -mem_W, W the rest."""
     delta = {
         k: 0.5 * costs.mem_delta(op, False)
         for k, op in zip("FfBbWw", (Op.F, Op.F, Op.B, Op.B, Op.W, Op.W))
     }
-    top = 0.0
-    for row in orders:
-        live = 0.0
-        for kind in row:
-            live += delta[kind]
-            top = max(top, live)
-    return top
+    return [max(accumulate(map(delta.__getitem__, row), initial=0.0)) for row in orders]
+
+
+def peak(orders: Orders, costs: CostModel) -> float:
+    """The largest rank peak, in rank shares."""
+    return max(rank_peaks(orders, costs))
 
 
 def shortest(
-    candidates: Iterable[Orders], costs: CostModel, bound: float | None = None
+    candidates: Iterable[Orders], costs: CostModel, bound: float | Sequence[float] | None = None
 ) -> Orders | None:
     """The first of the candidates with the smallest makespan under `costs` among those whose
-    peak is at most `bound` (rank shares; None: no bound), or None if none is."""
+    peak is at most `bound` (rank shares: one figure for every rank, or one per rank; None: no
+    bound), or None if none is."""
     best: tuple[float, Orders] | None = None
     for orders in candidates:
-        if bound is not None and peak(orders, costs) > bound + 1e-9:
+        if bound is not None and not _within(rank_peaks(orders, costs), bound):
             continue
         span = makespan(orders, costs)
         if best is None or span < best[0] * (1 - _TIE):
             best = (span, orders)
     return None if best is None else best[1]
+
+
+def _within(peaks: list[float], bound: float | Sequence[float]) -> bool:
+    tops = bound if isinstance(bound, Sequence) else [bound] * len(peaks)
+    return all(x <= top + 1e-9 for x, top in zip(peaks, tops))

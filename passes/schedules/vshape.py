@@ -15,7 +15,7 @@ Start slots on rank r (d = p), from the reference implementation:
 A family emits the shortest, under the costs the user gave, of its block's schedules (the
 paper's cool-down and list scheduling's, vreorder) and the peer's published order for the same
 placement and memory: the zero-bubble repository's V-Min and V-Half (vgreedy), torch's ZB-V for
-V-ZB (zbv_fixed); none may peak above the block's own schedules (vbest).
+V-ZB (zbv_fixed); none may raise a rank's peak above the block's own schedules' (vbest).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from passes.mapping import stage_ranks, v_shape
 from passes.registry import Request, only_v, schedule
 from passes.schedules import vgreedy
 from passes.schedules.limits import refuse_over_limit
-from passes.schedules.vbest import peak, shortest
+from passes.schedules.vbest import rank_peaks, shortest
 from passes.schedules.vblocks import Block, Orders, T, block_from_residues, to_programs
 from passes.schedules.vreorder import variants
 from passes.schedules.zbv_fixed import zbv_orders
@@ -99,7 +99,7 @@ def _family(name: str, slots: Slots, summary: str, peers: Callable[[int, int], O
     def build_family(req: Request) -> Schedule:
         own = variants(block_of(slots, req.p), req.m)
         assert own, f"{name} builds for every p >= 2, m >= 2"
-        bound = max(peak(orders, req.costs) for orders in own)
+        bound = [max(x) for x in zip(*(rank_peaks(orders, req.costs) for orders in own))]
         orders = shortest([*own, peers(req.p, req.m)], req.costs, bound)
         assert orders is not None  # the family's own orders are within its bound
         return v_schedule(name, req, orders)
