@@ -236,8 +236,8 @@ def print_pair(pair: Pair) -> None:
     o, q = pair.ours, pair.peer
     limit = "-" if o.limit is None else f"{o.limit:g}"
     print(
-        f"| {o.family} | {o.p} | {o.m} | {o.costs} | {limit} | {o.makespan:.6g} | {o.peak:g} "
-        f"| {q.who} | {q.makespan:.6g} | {q.peak:g} | {pair.verdict} |"
+        f"| {o.family} | {o.p} | {o.m} | {o.costs} | {limit} | {o.makespan:.10g} | {o.peak:g} "
+        f"| {q.who} | {q.makespan:.10g} | {q.peak:g} | {pair.verdict} |"
     )
 
 
