@@ -5,7 +5,7 @@ modulo 6 (F at 0; f, B, b at distinct slots 1..5) and the offsets between consec
 [δF⁰, δF¹, δB¹, δB⁰] = [k, -1, k, -1]: k0 for the first len0 rank transitions, k1 <= k0 for
 the rest. Blocks whose passes collide modulo 6 are dropped. A block's memory is its stable
 phase's peak (the lifespan rule); the larger it may be, the smaller the bubble, so the search
-visits the memory levels that fit under the limit from the top.
+starts from the top memory level that fits under the limit.
 
 The paper's search builds and times every candidate: 928 distinct blocks at p = 16, tens of
 milliseconds each (the reference code takes about a minute at p = 16, m = 64). The search here

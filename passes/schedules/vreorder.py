@@ -6,8 +6,11 @@ rewritten as the V's natural one (forwards of chunk 0, then pairs F f, then B W 
 cool-down is rebuilt with the last backwards chained as tightly as the V allows, and every
 remaining idle slot is filled by the first later pass of its rank that can legally move
 there. W and w take their free slots in FIFO order of the B and b they follow. A second
-cool-down (list scheduling: B or b when ready, else the oldest W) is also tried, and the
-shorter result kept; the paper's rebuild can collide on some blocks.
+cool-down (list scheduling: B or b when ready, else the oldest W) is also built, since the
+paper's rebuild can collide on some blocks; `variants` returns both and the caller keeps the
+shorter under its costs. With `shared` peaks every rank may rise to the largest rank's peak
+and a rebuilt B may take a weight pass's slot: how the reference code's adaptive search
+builds a block.
 """
 
 from __future__ import annotations
