@@ -8,7 +8,7 @@ phase's peak (the lifespan rule); the larger it may be, the smaller the bubble, 
 starts from the top memory level that fits under the limit.
 
 The paper's search builds and times every candidate: 928 distinct blocks at p = 16, tens of
-milliseconds each (the reference code takes about a minute at p = 16, m = 64). The search here
+milliseconds each (the reference code takes 40 s of CPU time at p = 16, m = 64). The search here
 is capped. The reference's winner sits at the top memory level that fits (so it does at every
 point of its published figures), so only that level is visited: each of its blocks is built
 once, cheaply, the way the reference builds it (its cool-down only; every rank may use the
