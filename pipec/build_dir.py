@@ -299,7 +299,7 @@ def check_build(build: Build) -> SimResult:
     if missing:
         raise PipecError(f"{build.path / missing[0]}: missing; recompile the directory")
     c = build.compiled
-    verify(c, build.costs, None, build.plan.get("memory_limit"))
+    verify(c, build.costs, None, build.plan.get("memory_limit"), dp=int(build.plan.get("dp", 1)))
     sim = simulate(c.layout, c.programs, build.costs)
     if build.plan.get("memory_limit_bytes") is not None:
         check_stash_bytes(sim, build.plan["memory_limit_bytes"])

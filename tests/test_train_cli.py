@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from pipec import checkpoint
-from pipec.build_dir import emit
+from pipec.build_dir import check_build, emit, load
 from pipec.frontend import load_factory
 from pipec.ir import PipecError
 from pipec.model import compile_model
@@ -87,17 +87,19 @@ def test_save_resume_and_check_grads_from_another_directory(build, tmp_path):
 
 @pytest.mark.slow
 def test_check_grads_fails_on_a_broken_program(tmp_path):
-    """A data-parallel build whose rank 1 no longer all-reduces its stage's gradients passes
-    `pipec verify` and trains, but each copy applies its own half's gradients to stage 1 (and,
-    through the head tied to it, to stage 0's embedding): --check-grads names both stages,
-    `pipec run` repeats that line last and exits 1."""
+    """A data-parallel build whose rank 1 no longer all-reduces its stage's gradients: the
+    verifier refuses it, and run anyway (--no-verify) each copy applies its own half's
+    gradients to stage 1 (and, through the head tied to it, to stage 0's embedding):
+    --check-grads names both stages, `pipec run` repeats that line last and exits 1."""
     broken = tmp_path / "broken"
     emit(compile_model(DATA, "1f1b", 2, 2, dp=2), broken)
     program = broken / "rank_001.pipe"
     text = program.read_text()
     assert "ALLREDUCE_GRADS s=1" in text
     program.write_text(re.sub(r"ALLREDUCE_GRADS s=1\n", "", text))
-    run = pipec_run(broken, "--check-grads", cwd=tmp_path)
+    with pytest.raises(PipecError, match="rank 1: stage 1 has no ALLREDUCE_GRADS"):
+        check_build(load(broken))
+    run = pipec_run(broken, "--no-verify", "--check-grads", cwd=tmp_path)
     assert run.returncode == 1, run.stderr[-3000:]
     assert re.search(r"stage +0 \(rank 0\).* MISMATCH wte.weight: Mismatched elements", run.stdout)
     assert re.search(r"stage +1 \(rank 1\).* MISMATCH blocks\.\d\.", run.stdout)
