@@ -116,6 +116,7 @@ def _compile(
     partition=None,
     profile=False,
     dp=1,
+    split_points=None,
 ) -> CompileResult:
     cost_model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
     memory_limit, in_bytes = _memory_limit(memory_limit)
@@ -123,8 +124,12 @@ def _compile(
         raise PipecError(NEEDS_MODEL)
     if sum(x is not None for x in (schedule, from_torch, from_torch_csv)) != 1:
         raise click.UsageError("give one of --schedule, --from-torch or --from-torch-csv")
-    if model is None and (partition is not None or profile):
-        raise PipecError("--partition and --profile need a MODEL (path/to/file.py:factory)")
+    if model is None and (partition is not None or profile or split_points is not None):
+        raise PipecError(
+            "--partition, --split-points and --profile need a MODEL (path/to/file.py:factory)"
+        )
+    if partition is not None and split_points is not None:
+        raise PipecError("give --partition or --split-points, not both")
     if model is not None and schedule is None:
         raise PipecError(
             "a MODEL compiles with --schedule; imported torch orders take no MODEL yet"
@@ -174,6 +179,7 @@ def _compile(
         evict,
         mapping,
         in_bytes,
+        split_points=tuple(split_points.split(",")) if split_points is not None else None,
     )
 
 
@@ -272,6 +278,11 @@ def schedules() -> None:
     "--partition",
     default=None,
     help="With MODEL: uniform, balanced (default) or blocks per stage, e.g. 3,2,2,1.",
+)
+@click.option(
+    "--split-points",
+    default=None,
+    help="With MODEL: the blocks where stages 1, 2, ... begin, e.g. layers.4,layers.8.",
 )
 @click.option(
     "--profile",

@@ -65,8 +65,8 @@ class StageFacts:
         holding it).
     stash_bytes: activation memory autograd keeps from F until the backward, measured; the
         last stage includes the loss.
-    flops: estimated FLOPs of F, B (input gradients, plus norm/embedding weight gradients) and
-        W (Linear weight gradients).
+    flops: FLOPs of F, B (input gradients, plus the weight gradients not deferred) and W (the
+        deferred weight gradients of products with parameters), counted by torch.
     seconds: F, B, W durations: flops / assumed throughput, or profiled medians.
     """
 
@@ -121,6 +121,7 @@ class ModelPlan:
     tied: groups of (stage, parameter name) holding one shared parameter (e.g. a tied
         embedding and LM head): the runtime must sum their gradients across those stages
         before the optimizer step, as a single-process model would.
+    capture: how the model was captured, "fx" or "export"; stages are rebuilt the same way.
     """
 
     spec: str | None
@@ -138,6 +139,7 @@ class ModelPlan:
     device: str
     tied: tuple[tuple[tuple[int, str], ...], ...]
     stages: tuple[StageFacts, ...]
+    capture: str = "fx"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -149,6 +151,7 @@ class ModelPlan:
             "v": self.v,
             "replicas": self.replicas,
             "blocks": {"path": self.blocks_path, "count": self.n_blocks},
+            "capture": self.capture,
             "partition": {"mode": self.partition_mode, "blocks_per_stage": list(self.partition)},
             "cost": {
                 "source": self.cost_source,
@@ -181,11 +184,12 @@ class ModelPlan:
             d["cost"]["device"],
             tuple(tuple((h["stage"], h["name"]) for h in group) for group in d["tied_parameters"]),
             tuple(StageFacts.from_json(s) for s in d["stages"]),
+            d.get("capture", "fx"),
         )
 
 
 def measure_stash_bytes(
-    stage: nn.Module, inputs: tuple[Tensor, ...], loss: Callable[[Tensor], Tensor] | None = None
+    stage: nn.Module, inputs: tuple[Tensor, ...], loss: Callable[[Any], Tensor] | None = None
 ) -> int:
     """Bytes autograd saves for the backward during one forward of `stage` on `inputs`.
 

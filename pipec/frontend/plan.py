@@ -1,4 +1,4 @@
-"""The frontend driver: factory → trace → partition → stage facts, and stage rebuilding.
+"""The frontend driver: factory → capture → partition → stage facts, and stage rebuilding.
 
 Public entry points (re-exported by `pipec.frontend`):
 
@@ -10,18 +10,29 @@ Public entry points (re-exported by `pipec.frontend`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor, fx
+from torch.utils import _pytree as pytree
 
-from pipec.frontend.cost import Flops, loss_flops, node_flops
+from pipec.frontend.cost import Flops, stage_flops
 from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, measure_stash_bytes
-from pipec.frontend.partition import block_of_nodes, find_blocks, resolve, split
+from pipec.frontend.partition import (
+    block_name,
+    block_of_nodes,
+    find_blocks,
+    resolve,
+    split_point_counts,
+)
 from pipec.frontend.spec import DEFAULT_SEED, FrontendError, ModelSpec, load_factory
-from pipec.frontend.trace import trace
+from pipec.frontend.stages import split
+from pipec.frontend.trace import export, trace
+from runtime.p2p import MAX_TENSORS
 
-# Converts estimated FLOPs to seconds when not profiling: a round number of the order of one
+# Converts counted FLOPs to seconds when not profiling: a round number of the order of one
 # modern accelerator's sustained dense throughput. Only ratios matter to the scheduler.
 DEFAULT_FLOPS_PER_S = 100e12
 
@@ -30,10 +41,11 @@ Partition = str | list[int]
 
 @dataclass(frozen=True)
 class _Traced:
-    """A traced model with its blocks located."""
+    """A captured model with its blocks located."""
 
     spec: ModelSpec
     gm: fx.GraphModule
+    capture: str  # "fx" or "export"
     blocks_path: str
     n_blocks: int
     block_of: dict[fx.Node, int]
@@ -51,12 +63,15 @@ def build_model_plan(
     flops_per_s: float = DEFAULT_FLOPS_PER_S,
     runs: int = 5,
     progress: bool = True,
+    split_points: Sequence[str] | None = None,
 ) -> ModelPlan:
-    """Trace, partition and measure the model of `spec` for `n_stages` = p·v stages.
+    """Capture, partition and measure the model of `spec` for `n_stages` = p·v stages.
 
     partition: "balanced" (default), "uniform", "3,2,2,1" or [3, 2, 2, 1] (blocks per stage).
+    split_points: block names where stages 1, 2, … begin (`layers.4`); they, or else the
+        spec's `split_points`, take the place of `partition`.
     profile: time F, B, W of every stage on the local device (median of `runs`, progress bar
-        on stderr unless `progress=False`) instead of converting estimated FLOPs at
+        on stderr unless `progress=False`) instead of converting counted FLOPs at
         `flops_per_s`. FLOPs are recorded either way.
     v: chunks per rank (n_stages must be a multiple); replicas: 1, or 2 for bidirectional
         schedules (recorded; `build_stages` is called once per replica).
@@ -68,44 +83,47 @@ def build_model_plan(
         raise FrontendError(f"replicas={replicas}: use 1, or 2 for bidirectional schedules")
     traced = _trace(spec, seed)
     ms = traced.spec
-    block_flops = _block_flops(traced)
-    mode, counts = resolve(partition, [f.total for f in block_flops], n_stages)
-    stages = split(traced.gm, ms.model, traced.block_of, counts)
-    inputs = _boundaries(stages, ms.example_inputs)
+    mode, counts = _partition(traced, n_stages, partition, split_points)
+    stages = split(traced.gm, traced.block_of, counts)
+    inputs, output = _boundaries(stages, ms)
+    loss = _last_loss(ms)
     starts = [sum(counts[:k]) for k in range(n_stages)]
-    stage_flops = [sum(block_flops[a : a + c], Flops()) for a, c in zip(starts, counts)]
+    stage_costs = [
+        stage_flops(st, x, loss if k == n_stages - 1 else None)
+        for k, (st, x) in enumerate(zip(stages, inputs))
+    ]
+    stages = split(traced.gm, traced.block_of, counts)  # fresh: costing split their backward
     stashes = [
-        measure_stash_bytes(st, x, _last_loss(ms) if k == n_stages - 1 else None)
-        for k, (st, x) in enumerate(zip(stages, inputs[:-1]))
+        measure_stash_bytes(st, x, loss if k == n_stages - 1 else None)
+        for k, (st, x) in enumerate(zip(stages, inputs))
     ]
     if profile:
         from pipec.frontend.profile import profile_stages  # imports the runtime package
 
         try:
-            seconds = profile_stages(
-                stages, inputs[:-1], _last_loss(ms), runs=runs, progress=progress
-            )
+            seconds = profile_stages(stages, inputs, loss, runs=runs, progress=progress)
         except ValueError as e:
             raise FrontendError(f"cannot profile {_name(spec)}: {e}") from e
     else:
         seconds = [
-            Costs(f.F / flops_per_s, f.B / flops_per_s, f.W / flops_per_s) for f in stage_flops
+            Costs(f.F / flops_per_s, f.B / flops_per_s, f.W / flops_per_s) for f in stage_costs
         ]
+    boundaries = [*inputs[1:], _named_leaves(output)]
     facts = []
     for k, stage in enumerate(stages):
-        outputs = inputs[k + 1]
-        out_names = _input_names(stages[k + 1]) if k + 1 < n_stages else ("output",)
+        out_names = _input_names(stages[k + 1]) if k + 1 < n_stages else boundaries[k][0]
+        out_values = boundaries[k] if k + 1 < n_stages else boundaries[k][1]
         params = list(stage.parameters())  # each shared tensor once
         facts.append(
             StageFacts(
                 stage=k,
                 blocks=(starts[k], starts[k] + counts[k]),
                 inputs=tuple(TensorFacts.of(n, t) for n, t in zip(_input_names(stage), inputs[k])),
-                outputs=tuple(TensorFacts.of(n, t) for n, t in zip(out_names, outputs)),
+                outputs=tuple(TensorFacts.of(n, t) for n, t in zip(out_names, out_values)),
                 params=sum(p.numel() for p in params),
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
                 stash_bytes=stashes[k],
-                flops=Costs(stage_flops[k].F, stage_flops[k].B, stage_flops[k].W),
+                flops=Costs(stage_costs[k].F, stage_costs[k].B, stage_costs[k].W),
                 seconds=seconds[k],
             )
         )
@@ -125,6 +143,7 @@ def build_model_plan(
         device=str(ms.example_inputs[0].device),
         tied=_tied(stages),
         stages=tuple(facts),
+        capture=traced.capture,
     )
 
 
@@ -133,30 +152,40 @@ def split_model(
     n_stages: int,
     partition: Partition = "balanced",
     seed: int = DEFAULT_SEED,
+    *,
+    split_points: Sequence[str] | None = None,
 ) -> list[fx.GraphModule]:
     """The model's stages in order; chaining them computes exactly the unsplit forward."""
     traced = _trace(spec, seed)
-    _, counts = resolve(partition, [f.total for f in _block_flops(traced)], n_stages)
-    return split(traced.gm, traced.spec.model, traced.block_of, counts)
+    _, counts = _partition(traced, n_stages, partition, split_points)
+    return split(traced.gm, traced.block_of, counts)
 
 
-def build_stages(spec: str | None, plan_json: dict, stages: list[int]) -> list[fx.GraphModule]:
+def build_stages(
+    spec: str | None,
+    plan_json: dict,
+    stages: list[int],
+    *,
+    device: torch.device | str | None = None,
+) -> list[fx.GraphModule]:
     """Rebuild the factory with the plan's seed and partition; return `stages`' modules in order.
 
-    `spec` None uses the plan's own. Raises FrontendError when the model no longer matches the
-    plan (different blocks or parameter counts).
+    `spec` None uses the plan's own. `device`: move the model and its example there before
+    capturing, so that the devices an exported graph names (`arange(..., device=...)`) are the
+    run's. Raises FrontendError when the model no longer matches the plan (different blocks or
+    parameter counts).
     """
     plan = ModelPlan.from_json(plan_json)
     spec = spec or plan.spec
     if spec is None:
         raise FrontendError("the plan was built from a ModelSpec object; pass the factory spec")
-    traced = _trace(spec, plan.seed)
+    traced = _trace(spec, plan.seed, plan.capture, device)
     if (traced.blocks_path, traced.n_blocks) != (plan.blocks_path, plan.n_blocks):
         raise FrontendError(
             f"{spec} now has {traced.n_blocks} blocks in {traced.blocks_path}, the plan "
             f"{plan.n_blocks} in {plan.blocks_path}; recompile"
         )
-    modules = split(traced.gm, traced.spec.model, traced.block_of, list(plan.partition))
+    modules = split(traced.gm, traced.block_of, list(plan.partition))
     for k in stages:
         if not 0 <= k < plan.n_stages:
             raise FrontendError(f"stage {k} does not exist: the plan has {plan.n_stages} stages")
@@ -169,21 +198,74 @@ def build_stages(spec: str | None, plan_json: dict, stages: list[int]) -> list[f
     return [modules[k] for k in stages]
 
 
-def _trace(spec: str | ModelSpec, seed: int) -> _Traced:
+def _trace(
+    spec: str | ModelSpec,
+    seed: int,
+    capture: str | None = None,
+    device: torch.device | str | None = None,
+) -> _Traced:
+    """Capture the model (`capture`, else the spec's choice) and locate its blocks.
+
+    "auto" takes torch.fx's graph when symbolic tracing sees into every block (module-level
+    nodes, functions such as `runtime.kernels.attention` kept whole), else torch.export's: for
+    a model fx cannot trace, and for blocks fx keeps as one opaque call (`torch.nn` layers such
+    as `nn.TransformerEncoderLayer`), whose weight gradients could not be deferred to W.
+    """
     ms = load_factory(spec, seed) if isinstance(spec, str) else spec
-    gm = trace(ms)
+    if device is not None:
+        ms = replace(
+            ms,
+            model=ms.model.to(device),
+            example_inputs=tuple(x.to(device) for x in ms.example_inputs),
+            example_target=ms.example_target.to(device),
+        )
+    method = capture or ms.capture
     blocks_path, n_blocks = find_blocks(ms.model)
-    return _Traced(ms, gm, blocks_path, n_blocks, block_of_nodes(gm, blocks_path, n_blocks))
+    if method in ("auto", "fx"):
+        try:
+            gm = trace(ms)
+            block_of = block_of_nodes(gm, blocks_path, n_blocks)
+        except FrontendError:
+            if method == "fx":
+                raise
+        else:
+            names = {block_name(blocks_path, i) for i in range(n_blocks)}
+            opaque = any(n.op == "call_module" and n.target in names for n in gm.graph.nodes)
+            if method == "fx" or not opaque:
+                return _Traced(ms, gm, "fx", blocks_path, n_blocks, block_of)
+    gm = export(ms)
+    block_of = block_of_nodes(gm, blocks_path, n_blocks)
+    return _Traced(ms, gm, "export", blocks_path, n_blocks, block_of)
+
+
+def _partition(
+    traced: _Traced, n_stages: int, partition: Partition, split_points: Sequence[str] | None
+) -> tuple[str, list[int]]:
+    """(mode, blocks per stage): from split points if given (argument, else spec), else from
+    `partition` (block costs are counted only for "balanced")."""
+    points = split_points if split_points is not None else traced.spec.split_points
+    if points is not None:
+        counts = split_point_counts(points, traced.blocks_path, traced.n_blocks, n_stages)
+        return "explicit", counts
+    if partition == "balanced" and 1 <= n_stages <= traced.n_blocks:
+        costs = [f.total for f in _block_flops(traced)]
+    else:
+        costs = [0] * traced.n_blocks
+    return resolve(partition, costs, n_stages)
 
 
 def _block_flops(traced: _Traced) -> list[Flops]:
-    """Estimated FLOPs per block; nodes outside blocks and the loss count with their block."""
-    flops = node_flops(traced.gm, traced.spec.example_inputs)
-    per_block = [Flops()] * traced.n_blocks
-    for node, f in flops.items():
-        per_block[traced.block_of[node]] += f
-    per_block[-1] += loss_flops(traced.gm)
-    return per_block
+    """FLOPs per block: each block cut as a stage of its own and counted; what comes before
+    the first block and after the last (embedding, head, loss) counts with them."""
+    ms = traced.spec
+    blocks = split(traced.gm, traced.block_of, [1] * traced.n_blocks)
+    inputs, _ = _boundaries(blocks, ms)
+    loss = _last_loss(ms)
+    last = traced.n_blocks - 1
+    return [
+        stage_flops(b, x, loss if k == last else None)
+        for k, (b, x) in enumerate(zip(blocks, inputs))
+    ]
 
 
 def _name(spec: str | ModelSpec) -> str:
@@ -196,16 +278,72 @@ def _last_loss(ms: ModelSpec):  # type: ignore[no-untyped-def]
 
 
 def _boundaries(
-    stages: list[fx.GraphModule], example: tuple[Tensor, ...]
-) -> list[tuple[Tensor, ...]]:
-    """Every stage's input for the example micro-batch, then the model output (no autograd)."""
-    values, x = [example], example
+    stages: list[fx.GraphModule], ms: ModelSpec
+) -> tuple[list[tuple[Tensor, ...]], Any]:
+    """Every stage's input for the example micro-batch, and the model output (no autograd).
+
+    Raises FrontendError when a value crossing a cut is not a tensor (the runtime sends
+    tensors only), when one cut carries more tensors than a message holds, or when `loss_fn`
+    cannot score the output.
+    """
+    values, x = [ms.example_inputs], ms.example_inputs
     with torch.no_grad():
-        for stage in stages:
+        for k, stage in enumerate(stages[:-1]):
             y = stage(*x)
             x = (y,) if isinstance(y, Tensor) else tuple(y)
+            names = _input_names(stages[k + 1])
+            for name, value in zip(names, x):
+                if not isinstance(value, Tensor):
+                    raise FrontendError(
+                        f"value '{name}' ({type(value).__name__}) crosses from stage {k} to "
+                        f"stage {k + 1} of {type(ms.model).__name__}; stages exchange tensors "
+                        "only: compute it from tensors inside each block, or capture with "
+                        'torch.export (ModelSpec.capture="export"), which folds sizes'
+                    )
+            if len(x) > MAX_TENSORS:
+                raise FrontendError(
+                    f"stage {k} of {type(ms.model).__name__} passes {len(x)} tensors to stage "
+                    f"{k + 1} ({', '.join(names)}); the runtime sends at most {MAX_TENSORS}: "
+                    "choose other split points"
+                )
             values.append(x)
-    return values
+        output = stages[-1](*x)
+    _check_loss(ms, output)
+    return values, output
+
+
+def _check_loss(ms: ModelSpec, output: Any) -> None:
+    """`loss_fn(output, target)` must give a scalar floating tensor."""
+    what = f"{type(ms.model).__name__}.forward returned {_describe(output)}"
+    try:
+        with torch.no_grad():
+            loss = ms.loss_fn(output, ms.example_target)
+    except Exception as e:
+        raise FrontendError(
+            f"loss_fn raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]} ({what}); "
+            "loss_fn gets the output as forward returns it, e.g. "
+            "lambda out, y: next_token_loss(out.logits, y)"
+        ) from e
+    if not (isinstance(loss, Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+        raise FrontendError(
+            f"loss_fn returned {_describe(loss)} ({what}); it must return a scalar loss tensor"
+        )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _named_leaves(output: Any) -> tuple[tuple[str, ...], tuple[Tensor, ...]]:
+    """Names ("output", "output.logits", "output[1]") and tensors of the model output."""
+    leaves = [
+        (f"output{pytree.keystr(path)}", t)
+        for path, t in pytree.tree_flatten_with_path(output)[0]
+        if isinstance(t, Tensor)
+    ]
+    return tuple(n for n, _ in leaves), tuple(t for _, t in leaves)
 
 
 def _input_names(stage: fx.GraphModule) -> tuple[str, ...]:

@@ -10,10 +10,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from pipec.frontend.facts import Costs
 from runtime.bwsplit import B, W, split_backward
@@ -51,7 +52,7 @@ class ProgressBar:
 def profile_stages(
     stages: list[nn.Module],
     stage_inputs: list[tuple[Tensor, ...]],
-    loss: Callable[[Tensor], Tensor],
+    loss: Callable[[Any], Tensor],
     runs: int = 5,
     warmup: int = 1,
     progress: bool = True,
@@ -80,7 +81,8 @@ def profile_stages(
             if last:
                 out = loss(out)
             t1 = _now(device)
-            B(stage, run, out, None if last else torch.ones_like(out), leaves)
+            outputs = [t for t in pytree.tree_leaves(out) if t.requires_grad]
+            B(stage, run, outputs, None if last else [torch.ones_like(t) for t in outputs], leaves)
             t2 = _now(device)
             W(stage, run)
             t3 = _now(device)
