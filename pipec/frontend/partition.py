@@ -61,14 +61,23 @@ def block_of_nodes(gm: fx.GraphModule, blocks: str, n_blocks: int) -> dict[fx.No
                 seen.add(current)
                 break
         result[node] = current
-    if len(seen) != n_blocks:
-        missing = sorted(set(range(n_blocks)) - seen)
+    # A block without parameters may leave no node (an nn.Identity under torch.export).
+    missing = [i for i in range(n_blocks) if i not in seen and _holds_parameters(gm, blocks, i)]
+    if missing:
         raise FrontendError(
-            f"blocks {block_name(blocks, missing[0])} and {len(missing) - 1} more of "
-            f"{n_blocks} never ran in forward; pipec needs every block of "
-            f"{blocks or 'the model'} called once, in order"
+            f"{len(missing)} of the {n_blocks} blocks of {blocks or 'the model'} never ran in "
+            f"forward (first: {block_name(blocks, missing[0])}); pipec needs every block "
+            "called once, in order"
         )
     return result
+
+
+def _holds_parameters(gm: fx.GraphModule, blocks: str, index: int) -> bool:
+    try:
+        block = gm.get_submodule(block_name(blocks, index))
+    except AttributeError:  # an exported module keeps only the modules holding tensors
+        return False
+    return any(True for _ in block.parameters())
 
 
 def uniform(n_blocks: int, n_stages: int) -> list[int]:
