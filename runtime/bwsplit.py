@@ -119,13 +119,17 @@ class WeightGradQueue:
 class _SplitLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, queue, form):  # type: ignore[no-untyped-def]
-        ctx.save_for_backward(x, weight, bias)
+        ctx.save_for_backward(x)
+        # The parameters themselves, not saved tensors: under saved-tensor hooks (the runtime's
+        # stash) a saved tensor comes back as another object, and W accumulates into `.grad`.
+        ctx.weight, ctx.bias = weight, bias
         ctx.queue, ctx.out_in = queue, FORMS[form].out_in
         return FORMS[form].op(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[no-untyped-def]
-        x, weight, bias = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
+        weight, bias = ctx.weight, ctx.bias
         dx = None
         if ctx.needs_input_grad[0]:
             dx = dy.matmul(weight if ctx.out_in else weight.t())

@@ -98,3 +98,26 @@ class ViT(nn.Module):
 def vit() -> ModelSpec:
     images = torch.randn(MB, 3, 32, 32)
     return ModelSpec(ViT(), (images,), torch.randint(10, (MB,)), nn.functional.cross_entropy)
+
+
+class MaskedDecoder(nn.Module):
+    """Blocks that each read the model's int64 ids and bool mask: both cross every cut."""
+
+    def __init__(self, n_layers: int = 4, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n_layers))
+        self.scale = nn.Embedding(VOCAB, 1)
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, tokens: Tensor, keep: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x)) * self.scale(tokens) * keep.unsqueeze(-1)
+        return self.head(x)
+
+
+def masked() -> ModelSpec:
+    tokens, target = _tokens()
+    keep = torch.rand(MB, SEQ) > 0.3
+    return ModelSpec(MaskedDecoder(), (tokens, keep), target, next_token_loss)

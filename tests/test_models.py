@@ -1,0 +1,80 @@
+"""Models nobody on the project wrote compile and train unmodified: Hugging Face GPT-2 and Llama
+(GQA), a stock nn.TransformerEncoder. `pipec compile MODEL` with 1f1b, v-half and zb-h1 at
+p=2, then one training step of every build inside ONE torchrun launch (2 ranks, gloo): every
+parameter's gradient, by its name in the model, equals a single-process `loss.backward()`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipec.cli import main as pipec_main
+from pipec.frontend import build_model_plan, load_factory
+from tests.runtime_launch import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+STOCK = Path(__file__).resolve().parent / "frontend_models" / "stock.py"
+MODELS = {
+    "hf-gpt2": f"{STOCK}:gpt2",
+    "hf-llama": f"{ROOT}/examples/hf_llama.py:tiny",
+    "encoder": f"{STOCK}:encoder",
+    "masked": f"{STOCK}:masked",  # int64 ids and a bool mask cross every cut
+}
+SCHEDULES = ("1f1b", "v-half", "zb-h1")
+P, M = 2, 4
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Compile every (model, schedule) with the CLI, run them all in one torchrun launch."""
+    tmp = tmp_path_factory.mktemp("models")
+    cases = {}
+    for model, spec in MODELS.items():
+        for schedule in SCHEDULES:
+            out = tmp / f"{model}-{schedule}"
+            argv = ["compile", spec, "-s", schedule, "-p", str(P), "-m", str(M), "-o", str(out)]
+            cases[f"{model}/{schedule}"] = (pipec_main(argv), {"kind": "grads"})
+    return cases, launch(cases, P, tmp / "run", timeout=420).results
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_one_step_gives_the_single_process_gradients(launched, model, schedule):
+    cases, results = launched
+    case = f"{model}/{schedule}"
+    for rank, res in enumerate(results):
+        assert res[case]["ok"], f"rank {rank}: {res[case]['error']}"
+    checked = {n for res in results for n in res[case]["names"]}
+    names = load_factory(MODELS[model]).model.named_parameters(remove_duplicate=False)
+    assert checked == {n for n, _ in names}
+    plan = cases[case][0].plan["model"]
+    if schedule == "zb-h1":  # B and W split: the products' weight gradients wait for W
+        assert all(s["flops"]["W"] > 0 for s in plan["stages"])
+
+
+def test_hf_gpt2_ties_the_embedding_and_head_across_the_cut():
+    plan = build_model_plan(MODELS["hf-gpt2"], 2, "uniform", progress=False)
+    assert plan.tied == (((0, "transformer.wte.weight"), (1, "lm_head.weight")),)
+
+
+def test_explicit_split_points_pick_the_stages():
+    plan = build_model_plan(
+        MODELS["hf-llama"], 3, split_points=("layers.1", "model.layers.3"), progress=False
+    )
+    assert plan.partition == (1, 2, 1) and plan.partition_mode == "explicit"
+
+
+def test_what_crosses_a_cut_keeps_its_dtype():
+    plan = build_model_plan(MODELS["masked"], 4, "uniform", progress=False)
+    for stage in plan.stages[1:]:
+        assert [t.dtype for t in stage.inputs] == ["int64", "bool", "float32"]
+
+
+@pytest.mark.parametrize("model", ["hf-gpt2", "hf-llama", "encoder"])
+def test_models_fx_cannot_take_are_exported(model):
+    assert build_model_plan(MODELS[model], 2, "uniform", progress=False).capture == "export"
