@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from pipec.cli import main as pipec_main
 from pipec.frontend import build_model_plan, load_factory
