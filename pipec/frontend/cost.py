@@ -6,8 +6,8 @@ W) and counts each phase's FLOPs: every matmul, `addmm`, convolution and attenti
 torch's counter knows, wherever it sits (inside a leaf module too). Elementwise ops count zero,
 as in torch's counter and the papers' formulas. It runs on fake tensors (`FakeTensorMode`): no
 memory is allocated and nothing is computed, so a paper-sized model on the meta device costs
-in seconds. A stage whose ops cannot run on fake tensors (data-dependent shapes) is counted on
-its real inputs instead.
+in seconds (a model on the meta device runs as it is). A stage whose ops cannot run on fake
+tensors (data-dependent shapes) is counted on its real inputs instead.
 """
 
 from __future__ import annotations
@@ -71,19 +71,19 @@ def stage_flops(
 ) -> Flops:
     """F, B, W FLOPs of one micro-batch `inputs` through `stage` (`loss` on the last stage).
 
-    Prepares the stage with `split_backward` (as the runtime does when it splits B and W);
-    leaves no gradient behind.
+    Prepares the stage with `split_backward` (as the runtime does when it splits B and W).
+    Gradients go to detached copies of the parameters, never to the stage's own.
     """
     split_backward(stage)
+    tensors = [*inputs, *stage.parameters()]
+    if all(t.device.type == "meta" for t in tensors):
+        return _count(stage, inputs, loss, Tensor.detach)  # computes nothing already
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             return _count(stage, inputs, loss, mode.from_tensor)
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         # Data-dependent shapes (nonzero, item) have no fake value: count on real tensors.
-        flops = _count(stage, inputs, loss, lambda t: t.detach().clone())
-        for p in stage.parameters():
-            p.grad = None
-        return flops
+        return _count(stage, inputs, loss, Tensor.detach)
 
 
 def _count(

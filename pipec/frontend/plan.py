@@ -10,6 +10,7 @@ Public entry points (re-exported by `pipec.frontend`):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -88,10 +89,7 @@ def build_model_plan(
     inputs, output = _boundaries(stages, ms)
     loss = _last_loss(ms)
     starts = [sum(counts[:k]) for k in range(n_stages)]
-    stage_costs = [
-        stage_flops(st, x, loss if k == n_stages - 1 else None)
-        for k, (st, x) in enumerate(zip(stages, inputs))
-    ]
+    stage_costs = _count_flops(traced, stages, inputs, starts)
     stages = split(traced.gm, traced.block_of, counts)  # fresh: costing split their backward
     stashes = [
         measure_stash_bytes(st, x, loss if k == n_stages - 1 else None)
@@ -257,15 +255,51 @@ def _partition(
 def _block_flops(traced: _Traced) -> list[Flops]:
     """FLOPs per block: each block cut as a stage of its own and counted; what comes before
     the first block and after the last (embedding, head, loss) counts with them."""
-    ms = traced.spec
     blocks = split(traced.gm, traced.block_of, [1] * traced.n_blocks)
-    inputs, _ = _boundaries(blocks, ms)
-    loss = _last_loss(ms)
-    last = traced.n_blocks - 1
-    return [
-        stage_flops(b, x, loss if k == last else None)
-        for k, (b, x) in enumerate(zip(blocks, inputs))
-    ]
+    inputs, _ = _boundaries(blocks, traced.spec)
+    return _count_flops(traced, blocks, inputs, list(range(traced.n_blocks)))
+
+
+def _count_flops(
+    traced: _Traced,
+    stages: list[fx.GraphModule],
+    inputs: list[tuple[Tensor, ...]],
+    starts: list[int],
+) -> list[Flops]:
+    """`stage_flops` of each stage (the loss on the last), counted once per distinct stage:
+    stages whose graphs differ only in which blocks they hold (a decoder's middle stages) have
+    the same FLOPs, so an 80-layer model is counted in a few runs."""
+    loss = _last_loss(traced.spec)
+    counted: dict[str, Flops] = {}
+    result = []
+    for k, (stage, x) in enumerate(zip(stages, inputs)):
+        last = k == len(stages) - 1
+        key = _signature(stage, x, traced.blocks_path, starts[k]) + f"|last={last}"
+        if key not in counted:
+            counted[key] = stage_flops(stage, x, loss if last else None)
+        result.append(counted[key])
+    return result
+
+
+def _signature(stage: fx.GraphModule, inputs: tuple[Tensor, ...], blocks: str, first: int) -> str:
+    """The stage's ops (nodes by position, block indices relative to its first block) and its
+    parameters' and inputs' shapes: equal for stages that compute the same ops on the same
+    shapes."""
+    pattern = re.compile(rf"^{re.escape(blocks)}\.(\d+)" if blocks else r"^(\d+)")
+
+    def relative(target: object) -> str:
+        if not isinstance(target, str):
+            return repr(target)
+        return pattern.sub(lambda m: f"{blocks}.@{int(m[1]) - first}", target)
+
+    position = {n: i for i, n in enumerate(stage.graph.nodes)}
+    lines = [f"{tuple(x.shape)} {x.dtype}" for x in inputs]
+    lines += [f"{relative(n)} {tuple(p.shape)} {p.dtype}" for n, p in stage.named_parameters()]
+    for node in stage.graph.nodes:
+        args = fx.map_arg((node.args, node.kwargs), lambda a: f"%{position[a]}")
+        target = "" if node.op == "placeholder" else relative(node.target)  # its name
+        lines.append(f"{node.op} {target} {args}")
+    return "\n".join(lines)
 
 
 def _name(spec: str | ModelSpec) -> str:
