@@ -42,7 +42,7 @@ def _cpu_sdpa_backward(grad_out, q, k, v, *args, **kwargs) -> int:  # type: igno
 
 # SDPA's CPU kernels, which torch's counter does not list (its formulas are the same; the
 # counter hands these shapes).
-_CPU_ATTENTION = {
+CPU_ATTENTION_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward,
 }
@@ -98,7 +98,7 @@ def _count(
     }
     leaves = tuple(convert(x).requires_grad_(x.is_floating_point()) for x in inputs)
     counts = []
-    with FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION) as counter:
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
         out = functional_call(stage, params, leaves, strict=False)
         if loss is not None:
             out = loss(out)
