@@ -6,6 +6,7 @@ parameter's gradient, by its name in the model, equals a single-process `loss.ba
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,8 @@ def test_explicit_split_points_pick_the_stages():
         MODELS["hf-llama"], 3, split_points=("layers.1", "model.layers.3"), progress=False
     )
     assert plan.partition == (1, 2, 1) and plan.partition_mode == "explicit"
+    spec = replace(load_factory(MODELS["hf-llama"]), split_points=("layers.3",))
+    assert build_model_plan(spec, 2, progress=False).partition == (3, 1)
 
 
 def test_what_crosses_a_cut_keeps_its_dtype():
@@ -77,3 +80,47 @@ def test_what_crosses_a_cut_keeps_its_dtype():
 @pytest.mark.parametrize("model", ["hf-gpt2", "hf-llama", "encoder"])
 def test_models_fx_cannot_take_are_exported(model):
     assert build_model_plan(MODELS[model], 2, "uniform", progress=False).capture == "export"
+
+
+BROKEN = Path(__file__).resolve().parent / "frontend_models" / "broken.py"
+
+
+@pytest.mark.parametrize(
+    "model, extra, expected",
+    [
+        (
+            f"{BROKEN}:returns_nothing",
+            [],
+            "loss_fn raised AttributeError: 'NoneType' object has no attribute 'logits' "
+            "(ReturnsNothing.forward returned None)",
+        ),
+        (f"{BROKEN}:data_dependent_if", [], "control flow depends on a traced value"),
+        (
+            MODELS["hf-llama"],
+            ["--split-points", "layers.9"],
+            "split point 'layers.9' names no block of model.layers",
+        ),
+        (
+            MODELS["hf-llama"],
+            ["--split-points", "layers.1,layers.2"],
+            "2 split points make 3 stages, but the schedule has 2 (p·v)",
+        ),
+        (
+            MODELS["hf-llama"],
+            ["--split-points", "layers.2,layers.1,layers.3", "-v", "2"],
+            "split point 'layers.1' comes after 'layers.2': split points must name blocks in "
+            "increasing order",
+        ),
+        (MODELS["hf-llama"], ["-p", "8"], "cannot split 4 blocks into 8 stages"),
+    ],
+)
+def test_bad_models_and_split_points_are_one_line_exit_2(tmp_path, capsys, model, extra, expected):
+    out = tmp_path / "out"
+    schedule = "interleaved" if "-v" in extra else "1f1b"
+    argv = ["compile", model, "-s", schedule, "-p", "2", "-m", "4", "-o", str(out), *extra]
+    with pytest.raises(SystemExit) as e:
+        pipec_main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("pipec: error: ")
+    assert expected in err
+    assert not out.exists()

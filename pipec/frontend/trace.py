@@ -13,12 +13,13 @@ that failed, and the fix.
 from __future__ import annotations
 
 import inspect
+import io
 import linecache
 import logging
 import operator
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
 from typing import Any
 
@@ -140,10 +141,12 @@ def _positional_only(gm: torch.fx.GraphModule, n_args: int) -> None:
 
 @contextmanager
 def _quiet() -> Iterator[None]:
-    """Silence torch's warnings while exporting: a failure is reported in one line, by us."""
+    """Silence torch's warnings and its printed graph of a failing export: a failure is
+    reported in one line, by us."""
     logging.disable(logging.WARNING)
     try:
-        yield
+        with redirect_stderr(io.StringIO()):
+            yield
     finally:
         logging.disable(logging.NOTSET)
 
