@@ -91,8 +91,10 @@ BROKEN = Path(__file__).resolve().parent / "frontend_models" / "broken.py"
         (
             f"{BROKEN}:returns_nothing",
             [],
-            "loss_fn raised AttributeError: 'NoneType' object has no attribute 'logits' "
-            "(ReturnsNothing.forward returned None)",
+            (
+                "loss_fn raised AttributeError: 'NoneType' object has no attribute 'logits' "
+                "(ReturnsNothing.forward returned None)"
+            ),
         ),
         (f"{BROKEN}:data_dependent_if", [], "control flow depends on a traced value"),
         (
@@ -108,8 +110,10 @@ BROKEN = Path(__file__).resolve().parent / "frontend_models" / "broken.py"
         (
             MODELS["hf-llama"],
             ["--split-points", "layers.2,layers.1,layers.3", "-v", "2"],
-            "split point 'layers.1' comes after 'layers.2': split points must name blocks in "
-            "increasing order",
+            (
+                "split point 'layers.1' comes after 'layers.2': split points must name blocks in "
+                "increasing order"
+            ),
         ),
         (MODELS["hf-llama"], ["-p", "8"], "cannot split 4 blocks into 8 stages"),
     ],
