@@ -10,9 +10,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipec.cli import main as pipec_main
-from pipec.frontend import build_model_plan, load_factory
+from pipec.frontend import ModelSpec, build_model_plan, load_factory, split_model
 from tests.runtime_launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,3 +129,38 @@ def test_bad_models_and_split_points_are_one_line_exit_2(tmp_path, capsys, model
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("pipec: error: ")
     assert expected in err
     assert not out.exists()
+
+
+class TupleOut(torch.nn.Module):
+    """A forward returning a tuple (the loss reads its first element)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x, x.sum()
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda: load_factory(f"{STOCK}:sequential"),
+        lambda: ModelSpec(
+            TupleOut(), (torch.randn(2, 8),), torch.randn(2, 8), lambda out, y: (out[0] - y).var()
+        ),
+    ],
+    ids=["sequential", "tuple-output"],
+)
+@pytest.mark.parametrize("capture", ["auto", "export"])
+def test_stages_chain_to_the_models_output_as_it_returns_it(factory, capture):
+    spec = replace(factory(), capture=capture)
+    stages = split_model(spec, 2, "uniform")
+    x = spec.example_inputs
+    out = stages[1](*((y,) if isinstance(y := stages[0](*x), torch.Tensor) else y))
+    want = spec.model(*x)
+    assert type(out) is type(want)
+    torch.testing.assert_close(out, want)
+    assert build_model_plan(spec, 2, "uniform", progress=False).stages[1].params > 0
