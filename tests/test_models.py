@@ -72,6 +72,12 @@ def test_explicit_split_points_pick_the_stages():
     assert build_model_plan(spec, 2, progress=False).partition == (3, 1)
 
 
+def test_split_points_on_the_command_line(tmp_path):
+    argv = ["compile", MODELS["hf-llama"], "-s", "1f1b", "-p", "2", "-m", "4"]
+    result = pipec_main([*argv, "--split-points", "layers.1", "-o", str(tmp_path / "b")])
+    assert result.plan["model"]["partition"] == {"mode": "explicit", "blocks_per_stage": [1, 3]}
+
+
 def test_what_crosses_a_cut_keeps_its_dtype():
     plan = build_model_plan(MODELS["masked"], 4, "uniform", progress=False)
     for stage in plan.stages[1:]:
