@@ -106,11 +106,12 @@ def build_model_plan(
         seconds = [
             Costs(f.F / flops_per_s, f.B / flops_per_s, f.W / flops_per_s) for f in stage_costs
         ]
-    boundaries = [*inputs[1:], _named_leaves(output)]
     facts = []
     for k, stage in enumerate(stages):
-        out_names = _input_names(stages[k + 1]) if k + 1 < n_stages else boundaries[k][0]
-        out_values = boundaries[k] if k + 1 < n_stages else boundaries[k][1]
+        if k + 1 < n_stages:
+            out_names, out_values = _input_names(stages[k + 1]), inputs[k + 1]
+        else:
+            out_names, out_values = _named_leaves(output)
         params = list(stage.parameters())  # each shared tensor once
         facts.append(
             StageFacts(

@@ -30,7 +30,9 @@ from torch.utils import _pytree as pytree
 from pipec.frontend.spec import FrontendError
 
 
-def split(gm: fx.GraphModule, block_of: dict[fx.Node, int], counts: list[int]) -> list:
+def split(
+    gm: fx.GraphModule, block_of: dict[fx.Node, int], counts: list[int]
+) -> list[fx.GraphModule]:
     """Stage graph modules in order (see the module docstring); `counts` are blocks per stage."""
     stage_of_block = [s for s, c in enumerate(counts) for _ in range(c)]
     nodes = list(gm.graph.nodes)
