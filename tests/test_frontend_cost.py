@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from examples.hf_llama import TINY as LLAMA_TINY
 from examples.hf_llama import make_spec as llama_spec
 from pipec.frontend import build_model_plan, split_model
+from pipec.frontend import cost as cost_module
 from pipec.frontend import plan as plan_module
 from pipec.frontend.cost import CPU_ATTENTION_FLOPS, stage_flops
 from pipec.frontend.partition import resolve
@@ -91,7 +92,7 @@ def test_a_paper_sized_model_costs_in_a_few_counts(monkeypatch):
     # 80 layers on the meta device: the balanced split counts each distinct block once (first,
     # middle, last), then each distinct stage: a few seconds instead of 88 counts.
     counted = []
-    monkeypatch.setattr(plan_module, "stage_flops", lambda *a: counted.append(a) or count(*a))
+    monkeypatch.setattr(cost_module, "stage_flops", lambda *a: counted.append(a) or count(*a))
     plan = build_model_plan(f"{ROOT}/examples/gpt.py:gpt3_96b", 8, progress=False)
     assert len(counted) <= 6
     h, s = 9984, 2048

@@ -12,12 +12,13 @@ tensors (data-dependent shapes) is counted on its real inputs instead.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
@@ -112,3 +113,46 @@ def _count(
             W(stage, 0)
         counts.append(counter.get_total_flops())
     return Flops(counts[0], counts[1] - counts[0], counts[2] - counts[1])
+
+
+def count_flops(
+    stages: list[fx.GraphModule],
+    inputs: list[tuple[Tensor, ...]],
+    starts: list[int],
+    blocks: str,
+    loss: Callable[[Any], Tensor],
+) -> list[Flops]:
+    """`stage_flops` of each stage (`loss` on the last), counted once per distinct stage:
+    stages whose graphs differ only in which blocks they hold (a decoder's middle stages) have
+    the same FLOPs, so an 80-layer model is counted in a few runs. `starts[k]`: the first
+    block of stage k in the container at `blocks`."""
+    counted: dict[str, Flops] = {}
+    result = []
+    for k, (stage, x) in enumerate(zip(stages, inputs)):
+        last = k == len(stages) - 1
+        key = _signature(stage, x, blocks, starts[k]) + f"|last={last}"
+        if key not in counted:
+            counted[key] = stage_flops(stage, x, loss if last else None)
+        result.append(counted[key])
+    return result
+
+
+def _signature(stage: fx.GraphModule, inputs: tuple[Tensor, ...], blocks: str, first: int) -> str:
+    """The stage's ops (nodes by position, block indices relative to its first block) and its
+    parameters' and inputs' shapes: equal for stages that compute the same ops on the same
+    shapes."""
+    pattern = re.compile(rf"^{re.escape(blocks)}\.(\d+)" if blocks else r"^(\d+)")
+
+    def relative(target: object) -> str:
+        if not isinstance(target, str):
+            return repr(target)
+        return pattern.sub(lambda m: f"{blocks}.@{int(m[1]) - first}", target)
+
+    position = {n: i for i, n in enumerate(stage.graph.nodes)}
+    lines = [f"{tuple(x.shape)} {x.dtype}" for x in inputs]
+    lines += [f"{relative(n)} {tuple(p.shape)} {p.dtype}" for n, p in stage.named_parameters()]
+    for node in stage.graph.nodes:
+        args = fx.map_arg((node.args, node.kwargs), lambda a: f"%{position[a]}")
+        target = "" if node.op == "placeholder" else relative(node.target)  # its name
+        lines.append(f"{node.op} {target} {args}")
+    return "\n".join(lines)

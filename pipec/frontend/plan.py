@@ -10,16 +10,14 @@ Public entry points (re-exported by `pipec.frontend`):
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
-from torch import Tensor, fx
-from torch.utils import _pytree as pytree
+from torch import fx
 
-from pipec.frontend.cost import Flops, stage_flops
+from pipec.frontend.boundaries import input_names, named_leaves, run_boundaries
+from pipec.frontend.cost import Flops, count_flops
 from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, measure_stash_bytes
 from pipec.frontend.partition import (
     block_name,
@@ -31,7 +29,6 @@ from pipec.frontend.partition import (
 from pipec.frontend.spec import DEFAULT_SEED, FrontendError, ModelSpec, load_factory
 from pipec.frontend.stages import split
 from pipec.frontend.trace import export, trace
-from runtime.p2p import MAX_TENSORS
 
 # Converts counted FLOPs to seconds when not profiling: a round number of the order of one
 # modern accelerator's sustained dense throughput. Only ratios matter to the scheduler.
@@ -86,10 +83,10 @@ def build_model_plan(
     ms = traced.spec
     mode, counts = _partition(traced, n_stages, partition, split_points)
     stages = split(traced.gm, traced.block_of, counts)
-    inputs, output = _boundaries(stages, ms)
+    inputs, output = run_boundaries(stages, ms)
     loss = _last_loss(ms)
     starts = [sum(counts[:k]) for k in range(n_stages)]
-    stage_costs = _count_flops(traced, stages, inputs, starts)
+    stage_costs = count_flops(stages, inputs, starts, traced.blocks_path, loss)
     stages = split(traced.gm, traced.block_of, counts)  # fresh: costing split their backward
     stashes = [
         measure_stash_bytes(st, x, loss if k == n_stages - 1 else None)
@@ -109,15 +106,15 @@ def build_model_plan(
     facts = []
     for k, stage in enumerate(stages):
         if k + 1 < n_stages:
-            out_names, out_values = _input_names(stages[k + 1]), inputs[k + 1]
+            out_names, out_values = input_names(stages[k + 1]), inputs[k + 1]
         else:
-            out_names, out_values = _named_leaves(output)
+            out_names, out_values = named_leaves(output)
         params = list(stage.parameters())  # each shared tensor once
         facts.append(
             StageFacts(
                 stage=k,
                 blocks=(starts[k], starts[k] + counts[k]),
-                inputs=tuple(TensorFacts.of(n, t) for n, t in zip(_input_names(stage), inputs[k])),
+                inputs=tuple(TensorFacts.of(n, t) for n, t in zip(input_names(stage), inputs[k])),
                 outputs=tuple(TensorFacts.of(n, t) for n, t in zip(out_names, out_values)),
                 params=sum(p.numel() for p in params),
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
@@ -257,50 +254,9 @@ def _block_flops(traced: _Traced) -> list[Flops]:
     """FLOPs per block: each block cut as a stage of its own and counted; what comes before
     the first block and after the last (embedding, head, loss) counts with them."""
     blocks = split(traced.gm, traced.block_of, [1] * traced.n_blocks)
-    inputs, _ = _boundaries(blocks, traced.spec)
-    return _count_flops(traced, blocks, inputs, list(range(traced.n_blocks)))
-
-
-def _count_flops(
-    traced: _Traced,
-    stages: list[fx.GraphModule],
-    inputs: list[tuple[Tensor, ...]],
-    starts: list[int],
-) -> list[Flops]:
-    """`stage_flops` of each stage (the loss on the last), counted once per distinct stage:
-    stages whose graphs differ only in which blocks they hold (a decoder's middle stages) have
-    the same FLOPs, so an 80-layer model is counted in a few runs."""
+    inputs, _ = run_boundaries(blocks, traced.spec)
     loss = _last_loss(traced.spec)
-    counted: dict[str, Flops] = {}
-    result = []
-    for k, (stage, x) in enumerate(zip(stages, inputs)):
-        last = k == len(stages) - 1
-        key = _signature(stage, x, traced.blocks_path, starts[k]) + f"|last={last}"
-        if key not in counted:
-            counted[key] = stage_flops(stage, x, loss if last else None)
-        result.append(counted[key])
-    return result
-
-
-def _signature(stage: fx.GraphModule, inputs: tuple[Tensor, ...], blocks: str, first: int) -> str:
-    """The stage's ops (nodes by position, block indices relative to its first block) and its
-    parameters' and inputs' shapes: equal for stages that compute the same ops on the same
-    shapes."""
-    pattern = re.compile(rf"^{re.escape(blocks)}\.(\d+)" if blocks else r"^(\d+)")
-
-    def relative(target: object) -> str:
-        if not isinstance(target, str):
-            return repr(target)
-        return pattern.sub(lambda m: f"{blocks}.@{int(m[1]) - first}", target)
-
-    position = {n: i for i, n in enumerate(stage.graph.nodes)}
-    lines = [f"{tuple(x.shape)} {x.dtype}" for x in inputs]
-    lines += [f"{relative(n)} {tuple(p.shape)} {p.dtype}" for n, p in stage.named_parameters()]
-    for node in stage.graph.nodes:
-        args = fx.map_arg((node.args, node.kwargs), lambda a: f"%{position[a]}")
-        target = "" if node.op == "placeholder" else relative(node.target)  # its name
-        lines.append(f"{node.op} {target} {args}")
-    return "\n".join(lines)
+    return count_flops(blocks, inputs, list(range(traced.n_blocks)), traced.blocks_path, loss)
 
 
 def _name(spec: str | ModelSpec) -> str:
@@ -310,79 +266,6 @@ def _name(spec: str | ModelSpec) -> str:
 def _last_loss(ms: ModelSpec):  # type: ignore[no-untyped-def]
     """The last stage's tail: output -> loss on the example target."""
     return lambda out: ms.loss_fn(out, ms.example_target)
-
-
-def _boundaries(
-    stages: list[fx.GraphModule], ms: ModelSpec
-) -> tuple[list[tuple[Tensor, ...]], Any]:
-    """Every stage's input for the example micro-batch, and the model output (no autograd).
-
-    Raises FrontendError when a value crossing a cut is not a tensor (the runtime sends
-    tensors only), when one cut carries more tensors than a message holds, or when `loss_fn`
-    cannot score the output.
-    """
-    values, x = [ms.example_inputs], ms.example_inputs
-    with torch.no_grad():
-        for k, stage in enumerate(stages[:-1]):
-            y = stage(*x)
-            x = (y,) if isinstance(y, Tensor) else tuple(y)
-            names = _input_names(stages[k + 1])
-            for name, value in zip(names, x):
-                if not isinstance(value, Tensor):
-                    raise FrontendError(
-                        f"value '{name}' ({type(value).__name__}) crosses from stage {k} to "
-                        f"stage {k + 1} of {type(ms.model).__name__}; stages exchange tensors "
-                        "only: compute it from tensors inside each block, or capture with "
-                        'torch.export (ModelSpec.capture="export"), which folds sizes'
-                    )
-            if len(x) > MAX_TENSORS:
-                raise FrontendError(
-                    f"stage {k} of {type(ms.model).__name__} passes {len(x)} tensors to stage "
-                    f"{k + 1} ({', '.join(names)}); the runtime sends at most {MAX_TENSORS}: "
-                    "choose other split points"
-                )
-            values.append(x)
-        output = stages[-1](*x)
-    _check_loss(ms, output)
-    return values, output
-
-
-def _check_loss(ms: ModelSpec, output: Any) -> None:
-    """`loss_fn(output, target)` must give a scalar floating tensor."""
-    what = f"{type(ms.model).__name__}.forward returned {_describe(output)}"
-    try:
-        with torch.no_grad():
-            loss = ms.loss_fn(output, ms.example_target)
-    except Exception as e:
-        raise FrontendError(
-            f"loss_fn raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]} ({what}); "
-            "loss_fn gets the output as forward returns it, e.g. "
-            "lambda out, y: next_token_loss(out.logits, y)"
-        ) from e
-    if not (isinstance(loss, Tensor) and loss.numel() == 1 and loss.is_floating_point()):
-        raise FrontendError(
-            f"loss_fn returned {_describe(loss)} ({what}); it must return a scalar loss tensor"
-        )
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, Tensor):
-        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
-    return "None" if value is None else f"a {type(value).__name__}"
-
-
-def _named_leaves(output: Any) -> tuple[tuple[str, ...], tuple[Tensor, ...]]:
-    """Names ("output", "output.logits", "output[1]") and tensors of the model output."""
-    leaves = [
-        (f"output{pytree.keystr(path)}", t)
-        for path, t in pytree.tree_flatten_with_path(output)[0]
-        if isinstance(t, Tensor)
-    ]
-    return tuple(n for n, _ in leaves), tuple(t for _, t in leaves)
-
-
-def _input_names(stage: fx.GraphModule) -> tuple[str, ...]:
-    return tuple(n.name for n in stage.graph.nodes if n.op == "placeholder")
 
 
 def _tied(stages: list[fx.GraphModule]) -> tuple[tuple[tuple[int, str], ...], ...]:
