@@ -133,6 +133,7 @@ def _compile(
     device=None,
     micro_batch_size=None,
     plan_profile=None,
+    split_points=None,
 ) -> CompileResult:
     cost_model = CostModel() if costs is None else parse_costs(costs)
     if mem is not None:
@@ -142,8 +143,12 @@ def _compile(
         raise PipecError(NEEDS_MODEL)
     if sum(x is not None for x in (schedule, from_torch, from_torch_csv)) != 1:
         raise click.UsageError("give one of --schedule, --from-torch or --from-torch-csv")
-    if model is None and (partition is not None or profile):
-        raise PipecError("--partition and --profile need a MODEL (path/to/file.py:factory)")
+    if model is None and (partition is not None or profile or split_points is not None):
+        raise PipecError(
+            "--partition, --split-points and --profile need a MODEL (path/to/file.py:factory)"
+        )
+    if partition is not None and split_points is not None:
+        raise PipecError("give --partition or --split-points, not both")
     if device is not None and not profile:
         raise PipecError("--device says where --profile times the stages; add --profile")
     if model is not None and schedule is None:
@@ -173,6 +178,7 @@ def _compile(
             "--nodes": nodes,
             "--gpus-per-node": gpus_per_node,
             "--partition": partition,
+            "--split-points": split_points,
             "--profile": profile,
             "--mapping": mapping != "sequential",
             "a --memory-limit in bytes": in_bytes,
@@ -218,6 +224,7 @@ def _compile(
         in_bytes,
         device,
         micro_batch_size,
+        split_points=tuple(split_points.split(",")) if split_points is not None else None,
     )
 
 
@@ -378,6 +385,11 @@ def schedules() -> None:
     "--partition",
     default=None,
     help="With MODEL: uniform, balanced (default) or blocks per stage, e.g. 3,2,2,1.",
+)
+@click.option(
+    "--split-points",
+    default=None,
+    help="With MODEL: the blocks where stages 1, 2, ... begin, e.g. layers.4,layers.8.",
 )
 @click.option(
     "--profile",

@@ -158,14 +158,15 @@ class Rank:
         self.batch_cache = {}
 
     def boundary(self, stage: int, which: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """Shapes and dtypes of a stage's floating `inputs` or `outputs` (what p2p carries)."""
+        """Shapes and dtypes of what p2p receives for a stage: its `inputs` (activations, every
+        dtype: hidden states, int64 ids, bool masks) or the gradients of its `outputs` (the
+        floating ones only; integer and bool values have no gradient)."""
         chunk = self.layout.stage_chunk[stage]
         facts = self.build.plan["model"]["stages"][chunk][which]
-        return [
-            (tuple(t["shape"]), getattr(torch, t["dtype"]))
-            for t in facts
-            if getattr(torch, t["dtype"]).is_floating_point
-        ]
+        described = [(tuple(t["shape"]), getattr(torch, t["dtype"])) for t in facts]
+        if which == "inputs":
+            return described
+        return [(shape, dtype) for shape, dtype in described if dtype.is_floating_point]
 
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter this rank holds, each once (stages on one rank may share one)."""
@@ -208,7 +209,8 @@ class Rank:
                 mine = [s for s in pipeline.stages if layout.stage_rank[s] == rank]
                 if mine:
                     chunks = [layout.stage_chunk[s] for s in mine]
-                    for s, module in zip(mine, build_stages(spec, model_plan, chunks)):
+                    built = build_stages(spec, model_plan, chunks, device=device)
+                    for s, module in zip(mine, built):
                         modules[s] = module.to(device)
             factory = load_factory(
                 spec or model_plan["spec"], model_plan["seed"], model_plan.get("micro_batch_size")

@@ -14,10 +14,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from pipec.frontend.facts import Costs
 from pipec.frontend.spec import ModelSpec
@@ -99,7 +100,7 @@ class ProgressBar:
 def profile_stages(
     stages: list[nn.Module],
     stage_inputs: list[tuple[Tensor, ...]],
-    loss: Callable[[Tensor], Tensor],
+    loss: Callable[[Any], Tensor],
     runs: int = 5,
     warmup: int = 1,
     progress: bool = True,
@@ -128,7 +129,8 @@ def profile_stages(
             if last:
                 out = loss(out)
             t1 = _now(device)
-            B(stage, run, out, None if last else torch.ones_like(out), leaves)
+            outputs = [t for t in pytree.tree_leaves(out) if t.requires_grad]
+            B(stage, run, outputs, None if last else [torch.ones_like(t) for t in outputs], leaves)
             t2 = _now(device)
             W(stage, run)
             t3 = _now(device)

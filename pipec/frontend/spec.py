@@ -28,6 +28,7 @@ from torch import Tensor, nn
 DEFAULT_SEED = 0
 MICRO_BATCH_SIZE = "micro_batch_size"
 """The optional keyword through which a factory takes the micro-batch size."""
+CAPTURES = ("auto", "export", "fx")
 
 
 class FrontendError(ValueError):
@@ -38,13 +39,18 @@ class FrontendError(ValueError):
 class ModelSpec:
     """What a factory returns.
 
-    model: the whole model; its forward takes `*example_inputs` and returns one tensor.
+    model: the whole model; its forward takes `*example_inputs`.
     example_inputs: one micro-batch, positional, in forward's order.
     example_target: the target of that micro-batch, passed to `loss_fn` on the last stage.
-    loss_fn: `(output, target) -> scalar loss`.
-    concrete_args: forward arguments to fix while tracing (`torch.fx` `concrete_args`), for
-        Python control flow on flags such as `if use_cache:`.
-    leaf_modules: module types torch.fx records as one opaque call instead of tracing into.
+    loss_fn: `(output, target) -> scalar loss`, where output is what the model's forward
+        returns, as it returns it (a tensor, a tuple, a dict, a `ModelOutput`).
+    concrete_args: forward arguments fixed while capturing (keyword arguments of the capture),
+        for Python control flow on flags such as `if use_cache:`.
+    leaf_modules: module types torch.fx records as one opaque call instead of tracing into
+        (the fx capture only; torch.export always traces through).
+    capture: "auto" (torch.fx when it sees every block, else torch.export), "export" or "fx".
+    split_points: qualified names of the blocks where stages 1, 2, … begin (e.g.
+        ("layers.4", "layers.8")), instead of an automatic partition.
     data: the training data, or None for synthetic micro-batches shaped like the example. Either
         a callable `data(rows, start)` returning an iterator of `(inputs, target)` global
         batches of `rows` rows from batch `start` on (0 on a fresh run, the checkpoint's step
@@ -57,10 +63,12 @@ class ModelSpec:
     model: nn.Module
     example_inputs: tuple[Tensor, ...]
     example_target: Tensor
-    loss_fn: Callable[[Tensor, Tensor], Tensor]
+    loss_fn: Callable[[Any, Tensor], Tensor]
     concrete_args: dict[str, Any] | None = None
     leaf_modules: tuple[type[nn.Module], ...] = field(default=())
     data: Callable[[int, int], Iterable[Any]] | Iterable[Any] | None = None
+    capture: str = "auto"
+    split_points: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -88,6 +96,18 @@ class ModelSpec:
             raise FrontendError(
                 f"ModelSpec.data must be a callable data(rows, start) or an iterable of "
                 f"(inputs, target) batches, got {type(self.data).__name__}"
+            )
+        if self.capture not in CAPTURES:
+            raise FrontendError(
+                f"ModelSpec.capture={self.capture!r}; use one of {', '.join(CAPTURES)}"
+            )
+        points = self.split_points
+        if points is not None and (
+            not isinstance(points, tuple) or not all(isinstance(p, str) for p in points)
+        ):
+            raise FrontendError(
+                "ModelSpec.split_points must be a tuple of module names such as "
+                f"('layers.4', 'layers.8'), got {points!r}"
             )
 
 
