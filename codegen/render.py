@@ -7,7 +7,7 @@ serialised with sorted keys. Nothing here chooses an order, a rank or a time.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
 
 import jinja2
@@ -53,12 +53,12 @@ def dump_json(data: object) -> str:
 def chrome_trace(
     timeline: Sequence[Sequence[Slot]],
     title: str,
-    counters: Sequence[Sequence[tuple[float, float]]] = (),
+    counters: Sequence[Sequence[tuple[float, Mapping[str, float]]]] = (),
 ) -> dict:
     """A timeline as a Chrome/Perfetto trace: one thread per rank, times in ms of cost units.
 
     The simulator's timeline and the runtime's measured one print the same way; `counters`
-    (per rank: (time, live stash bytes) points) adds a memory track per rank.
+    (per rank: (time, {series: bytes}) points) adds a memory track per rank.
     """
     events: list[dict] = [
         {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": title}}
@@ -87,15 +87,15 @@ def chrome_trace(
                 }
             )
     for rank, points in enumerate(counters):
-        for t, live in points:
+        for t, series in points:
             events.append(
                 {
-                    "name": f"stash bytes rank {rank}",
+                    "name": f"memory rank {rank}",
                     "ph": "C",
                     "pid": 0,
                     "tid": rank,
                     "ts": round(t * TRACE_US_PER_UNIT, 3),
-                    "args": {"bytes": live},
+                    "args": dict(series),
                 }
             )
     return {"traceEvents": events, "displayTimeUnit": "ms"}

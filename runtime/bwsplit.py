@@ -117,9 +117,12 @@ class SplitLinear(nn.Module):
         )
 
 
+@torch.no_grad()
 def _accumulate_weight_grad(linear: SplitLinear, x: Tensor, dy: Tensor) -> None:
     # The reductions torch's own linear backward performs (mm backward on the flattened
     # input, bias gradient as a sum over the flattened rows), so results are bit-identical.
+    # Without grad mode: x comes back from autograd with its history, and a recorded GEMM
+    # would make each .grad hold x, dY and their graph until the gradients are zeroed.
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = dy.reshape(-1, dy.shape[-1])
     grads = [(linear.weight, dy2.t().mm(x2))]

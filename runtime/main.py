@@ -177,7 +177,7 @@ def _log_step(rt: Rank, steps: int) -> Callable[[int, float, StepTrace], None]:
 
 def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:
     """Gather every rank's measurements; rank 0 writes measured/ and prints the comparison."""
-    mine = rank_report(rt.grank, rt.program, rt.peak, traces)
+    mine = rank_report(rt.grank, rt.program, rt.peak, traces, rt.device.type)
     reports: list | None = [None] * rt.world if rt.grank == 0 else None
     dist.gather_object(mine, reports, dst=0)
     if rt.grank != 0:
