@@ -13,7 +13,9 @@ holds, term by term (every figure a measured fact of the model, in bytes):
   saves, measured by the frontend; a recomputed forward keeps its input bytes until RECOMPUTE),
   under the simulator's rules for F, B, W, RECOMPUTE, EVICT and LOAD (`activation_profile`);
   plus the stage output each forward keeps for its backward (autograd needs the tensor), which
-  the frontend's measure leaves out when no op saved it;
+  the frontend's measure leaves out when no op saved it; from B to W (the B/W split), what W
+  needs (the Linear inputs and output gradients), where measured, instead of the simulator's
+  share of the stash;
 - buffers: messages and stash moves in flight. A received activation or gradient holds its
   buffer from where the runtime posts the receive (`post_points`) to the op that consumes it.
   A sent gradient, or the activation of a forward that keeps nothing, is held from the op
@@ -30,8 +32,7 @@ holds, term by term (every figure a measured fact of the model, in bytes):
 
 Not modelled: the working memory inside an instruction (the meter samples between them), a
 tensor shared by two terms (an output a later op of the same stage saves counts twice), the
-micro-batches' token ids and targets (kilobytes), the W queue's share of a stash (the
-simulator's rule: W releases what B keeps).
+micro-batches' token ids and targets (kilobytes).
 """
 
 from __future__ import annotations
@@ -87,16 +88,20 @@ def post_points(program: Sequence[Instr], ahead: int | None) -> dict[int, list[i
 @dataclass(frozen=True)
 class ByteFacts:
     """Per model chunk: parameters and their bytes, the bytes of one message on its output
-    boundary (the activation it sends on, the gradient that comes back; 0 for the last chunk)
-    and, for a CPU run, autograd's host bytes per live stash (empty: not counted)."""
+    boundary (the activation it sends on, the gradient that comes back; 0 for the last chunk);
+    for a CPU run, autograd's host bytes per live stash (empty: not counted); with the B/W
+    split, the bytes B leaves for W (empty: the simulator's rule, W releases the stash)."""
 
     params: tuple[int, ...]
     param_bytes: tuple[int, ...]
     message: tuple[float, ...]
     host: tuple[float, ...] = ()
+    w_held: tuple[float, ...] = ()
 
     @staticmethod
-    def from_plan(plan: dict, host: Sequence[float] = ()) -> ByteFacts:
+    def from_plan(
+        plan: dict, host: Sequence[float] = (), w_held: Sequence[float] = ()
+    ) -> ByteFacts:
         """From a build's plan.json: the frontend's per-chunk facts."""
         stages = plan["model"]["stages"]
         message = tuple(
@@ -114,6 +119,7 @@ class ByteFacts:
             tuple(st["param_bytes"] for st in stages),
             message,
             tuple(host),
+            tuple(w_held),
         )
 
 
@@ -256,6 +262,9 @@ def predict_peaks(
                 nxt = layout.next_stage(s)
                 sent(r, idx[(Op.F, s, mb)], k, (i.peer, Op.RECV_ACT, nxt, mb), facts.message[c])
             elif op in _BACKWARDS:
+                if op is Op.B and facts.w_held:  # what W holds, not the simulator's share
+                    between = -costs.mem_W / costs.mem_F * costs.stash_bytes[c]
+                    book.hold("stash", k, idx[(Op.W, s, mb)], facts.w_held[c] - between)
                 prev = layout.prev_stage(s)
                 if prev is not None and layout.stage_rank[prev] == r:
                     book.hold("buffers", k, backward_of(r, prev, mb), facts.message[chunk_of[prev]])

@@ -91,7 +91,9 @@ class _SplitLinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            ctx.queue.defer(ctx.linear, x, dy)
+            # Detached: x comes back with its history, which reaches the stage inputs (and
+            # the gradients B gives them); W needs only x's values.
+            ctx.queue.defer(ctx.linear, x.detach(), dy)
         return dx, None, None, None, None
 
 
@@ -121,8 +123,8 @@ class SplitLinear(nn.Module):
 def _accumulate_weight_grad(linear: SplitLinear, x: Tensor, dy: Tensor) -> None:
     # The reductions torch's own linear backward performs (mm backward on the flattened
     # input, bias gradient as a sum over the flattened rows), so results are bit-identical.
-    # Without grad mode: x comes back from autograd with its history, and a recorded GEMM
-    # would make each .grad hold x, dY and their graph until the gradients are zeroed.
+    # Without grad mode: a recorded GEMM would make each .grad hold x and dY (and W's own
+    # graph) until the gradients are zeroed.
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = dy.reshape(-1, dy.shape[-1])
     grads = [(linear.weight, dy2.t().mm(x2))]

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from passes.memory_bytes import post_points
+from passes.memory_bytes import ALLOCATES, post_points
 from pipec.ir import Instr, Op, PipecError
 from runtime import compute, grads, offload, p2p
 from runtime.faults import Watchdog
@@ -120,7 +120,7 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
         if k not in ahead:
             t0 = now()
             watchdog.enter(k, t0)
-            if instr.op in offload.ALLOCATES:
+            if instr.op in ALLOCATES:
                 offload.settle(rt)
             handlers[instr.op](rt, instr)
             t1 = now()

@@ -26,8 +26,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-import statistics
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -110,14 +110,26 @@ def model_state_bytes(params: list[nn.Parameter], optimizer: object) -> int:
     return tensors_nbytes(tensors)
 
 
-def graph_host_bytes(plan: dict, split: bool, spec: str | None = None, reps: int = 3) -> list[int]:
-    """Per chunk, the bytes the CPU meter sees one stash hold beyond its tensors: autograd's
-    records of the forward's graph. Each chunk's forward runs as the runtime runs it (its
-    floating inputs as leaves, the loss on the last chunk, the B/W split's Linear when `split`),
-    and the heap it leaves allocated, less the chunk's measured stash bytes and the output kept,
-    is the figure (median of `reps` after one warm-up run)."""
+@dataclass(frozen=True)
+class StashExtras:
+    """Per chunk, what one micro-batch holds beyond the frontend's stash bytes, measured on
+    this machine: `host`, the bytes the CPU meter sees a stash hold beyond its tensors
+    (autograd's records of the forward's graph); `w_held`, with the B/W split, the tensors B
+    leaves for W (the Linear inputs and output gradients; empty without the split)."""
+
+    host: tuple[int, ...]
+    w_held: tuple[int, ...]
+
+
+def stash_extras(plan: dict, split: bool, spec: str | None = None, held: int = 8) -> StashExtras:
+    """Run each chunk's forward as the runtime runs it (its floating inputs as leaves, the loss
+    on the last chunk, the B/W split's Linear when `split`): `held` forwards first, kept alive,
+    then `held` more, whose heap growth per forward, less the chunk's stash bytes and the output
+    kept, is `host` (the first batch takes what glibc's thread cache held, freed chunks it
+    counts as in use, which would otherwise hide part of the growth); then B of one of them,
+    and what its W still needs is `w_held`."""
     from pipec.frontend import build_stages, load_factory
-    from runtime.bwsplit import split_backward
+    from runtime import bwsplit
 
     model = plan["model"]
     n = len(model["stages"])
@@ -125,24 +137,35 @@ def graph_host_bytes(plan: dict, split: bool, spec: str | None = None, reps: int
     ms = load_factory(spec or model["spec"], model["seed"])
     stash = plan["costs"]["stash_bytes"]
     inputs: tuple[torch.Tensor, ...] = tuple(ms.example_inputs)
-    out = []
+    host, w_held = [], []
     for c, module in enumerate(modules):
         if split:
-            split_backward(module)
+            bwsplit.split_backward(module)
         leaves = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in inputs)
-        samples = []
-        for _ in range(reps + 1):
-            gc.collect()
-            before = heap_bytes()
+
+        def forward(
+            c: int = c, module: nn.Module = module, leaves: tuple = leaves
+        ) -> tuple[torch.Tensor, ...]:
             y = module(*leaves)
             if c == n - 1:
                 y = ms.loss_fn(y, ms.example_target)
-            outputs = (y,) if torch.is_tensor(y) else tuple(y)
-            held = heap_bytes() - before - stash[c] - (tensors_nbytes(outputs) if c < n - 1 else 0)
-            samples.append(held)
-            del y, outputs
-        out.append(max(0, int(statistics.median(samples[1:]))))
+            return (y,) if torch.is_tensor(y) else tuple(y)
+
+        gc.collect()
+        kept = [forward() for _ in range(held)]
+        before = heap_bytes()
+        kept += [forward() for _ in range(held)]
+        per = (heap_bytes() - before) / held
+        output = tensors_nbytes(list(kept[-1])) if c < n - 1 else 0
+        host.append(max(0, round(per - stash[c] - output)))
+        if split:
+            outputs = kept.pop()
+            grads = None if c == n - 1 else [torch.ones_like(y) for y in outputs]
+            bwsplit.B(module, 0, outputs, grads, leaves)
+            w_held.append(bwsplit.held_bytes(module, 0))
+            bwsplit.W(module, 0)
+        del kept
         with torch.no_grad():
             y = module(*inputs)
         inputs = (y,) if torch.is_tensor(y) else tuple(y)
-    return out
+    return StashExtras(tuple(host), tuple(w_held))

@@ -69,7 +69,8 @@ class Send:
 
     def finish(self, clock: int) -> None:
         """Completed: let the buffers go."""
-        self.completed_at, self.tensors = clock, ()
+        self.tensors = ()
+        self.completed_at = clock
         self.done.set()
 
 
