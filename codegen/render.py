@@ -262,7 +262,10 @@ def terminal_gantt(sim: SimResult, width: int = 100) -> str:
 
 
 def measured_table(stats: dict) -> str:
-    """A run's measured figures beside the simulated ones (runtime/measure.py's stats.json)."""
+    """A run's measured figures beside the simulated ones (runtime/measure.py's stats.json).
+
+    Memory: the real peak (the meter's bytes, runtime/meter.py) and the stash counter's peak
+    (the bytes the runtime books for stashes) beside the simulator's stash peak."""
     m, s = stats["measured"], stats["simulated"]
     ratio = m["makespan_ms"] / s["makespan_ms"] if s["makespan_ms"] > 0 else float("inf")
     lines = [
@@ -271,15 +274,36 @@ def measured_table(stats: dict) -> str:
         f"  makespan {m['makespan_ms']:.2f} ms vs {s['makespan_ms']:.2f} ms (x{ratio:.2f}); "
         + f"iteration {m['iteration_ms']:.2f} ms",
         f"  bubble   {m['bubble']:.3f} measured vs {s['bubble']:.3f} simulated",
-        f"  {'rank':>4}  {'peak stash measured':>20}  {'simulated':>10}  {'busy ms':>8}  "
-        + f"{'sim busy':>8}  {'overhead/instr':>14}",
+        f"  {'rank':>4}  {'real peak':>10}  {'stash counter':>13}  {'sim stash':>10}  "
+        + f"{'busy ms':>8}  {'sim busy':>8}  {'overhead/instr':>14}",
     ]
     for r in stats["ranks"]:
         sim_peak = r["simulated_peak_stash_bytes"]
         lines.append(
-            f"  {r['rank']:>4}  {format_bytes(r['peak_stash_bytes']):>20}  "
+            f"  {r['rank']:>4}  {format_bytes(r['real_peak_bytes']):>10}  "
+            f"{format_bytes(r['peak_stash_bytes']):>13}  "
             f"{format_bytes(sim_peak) if sim_peak is not None else '-':>10}  "
             f"{r['busy_ms']:>8.2f}  {r['simulated_busy_ms']:>8.2f}  "
             f"{r['overhead_us_per_instruction']:>11.1f} us"
+        )
+    return "\n".join(lines)
+
+
+def bytes_table(rows: Sequence[Mapping]) -> str:
+    """Per rank, the predicted peak bytes (passes/memory_bytes.py), by term, beside the real
+    peak a run measured and their ratio (`pipec show`'s memory table)."""
+    terms = ("params", "optimizer", "grads", "stash", "buffers", "held", "host")
+    lines = [
+        "peak bytes per rank, predicted (by term) vs measured real:",
+        f"  {'rank':>4}  {'predicted':>10}  {'real':>10}  {'real/pred':>9}  "
+        + "  ".join(f"{t:>9}" for t in terms),
+    ]
+    for row in rows:
+        real = row.get("real_peak_bytes")
+        ratio = f"{row['ratio']:.3f}" if real is not None else "-"
+        lines.append(
+            f"  {row['rank']:>4}  {format_bytes(row['predicted_peak_bytes']):>10}  "
+            f"{format_bytes(real) if real is not None else '-':>10}  {ratio:>9}  "
+            + "  ".join(f"{format_bytes(row['predicted'][t]):>9}" for t in terms)
         )
     return "\n".join(lines)

@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import click
 
-from codegen.render import measured_table, terminal_gantt
+from codegen.render import bytes_table, measured_table, terminal_gantt
 from passes.costs import CostModel, parse_costs, parse_mem
 from passes.evict import amount
 from passes.placement import MAPPINGS
@@ -332,10 +332,20 @@ def simulate_cmd(as_json: bool, **opts) -> CompileResult:
     "--lines", default=40, show_default=True, help="Instructions shown per rank (0: all)."
 )
 @click.option("--width", default=100, show_default=True, help="Width of the Gantt chart.")
-def show(directory: Path, lines: int, width: int) -> None:
-    """Print a build's programs, per-rank figures and a terminal Gantt chart."""
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the figures as JSON instead (per rank: predicted and real peak bytes).",
+)
+def show(directory: Path, lines: int, width: int, as_json: bool) -> None:
+    """Print a build's programs, per-rank figures and a terminal Gantt chart; after a run, the
+    measured figures and the predicted vs real peak bytes per rank."""
     build = load(directory)
     c = build.compiled
+    if as_json:
+        click.echo(json.dumps(_show_json(build, directory), sort_keys=True))
+        return
     click.echo(f"{c.schedule} p={c.p} m={c.m} v={c.v} plan {build.plan_hash}")
     for rank, program in enumerate(c.programs):
         shown = program if lines <= 0 else program[:lines]
@@ -349,9 +359,45 @@ def show(directory: Path, lines: int, width: int) -> None:
         click.echo(_eviction_line(sim, c.layout, build.costs, build.plan))
     click.echo(_placement_table(c.layout, build.costs.topology))
     click.echo(terminal_gantt(sim, width))
+    stats = _measured(directory)
+    if stats is not None:  # written by a run of OUT/launch.py
+        click.echo(measured_table(stats))
+        click.echo(bytes_table(_memory_rows(build, sim, stats)))
+
+
+def _measured(directory: Path) -> dict | None:
     measured = directory / "measured" / "stats.json"
-    if measured.is_file():  # written by a run of OUT/launch.py
-        click.echo(measured_table(json.loads(measured.read_text())))
+    return json.loads(measured.read_text()) if measured.is_file() else None
+
+
+def _memory_rows(build, sim: SimResult, stats: dict | None) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Predicted peak bytes per rank (for the run's device: CPU unless it ran on CUDA), with
+    the run's real peaks when there was one (runtime/measure.py)."""
+    from runtime.measure import memory_rows, predicted_peaks  # torch: only when asked
+
+    device = stats.get("device", "cpu") if stats is not None else "cpu"
+    peaks = predicted_peaks(build.plan, build.compiled, build.costs, sim, device)
+    return memory_rows(peaks, stats)
+
+
+def _show_json(build, directory: Path) -> dict:  # type: ignore[no-untyped-def]
+    """`pipec show --json`: the simulated figures and, per rank, predicted and real peak bytes
+    (real only after a run), with the run's measured figures."""
+    c = build.compiled
+    sim = simulate(c.layout, c.programs, build.costs)
+    stats = _measured(directory)
+    out = {
+        "schedule": c.schedule,
+        "p": c.p,
+        "m": c.m,
+        "v": c.v,
+        "plan": build.plan_hash,
+        "simulated": sim.to_json(),
+        "measured": None if stats is None else stats["measured"] | {"device": stats["device"]},
+    }
+    if build.plan.get("model") is not None:
+        out["ranks"] = _memory_rows(build, sim, stats)
+    return out
 
 
 @cli.command("verify")

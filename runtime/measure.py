@@ -27,9 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from codegen.render import chrome_trace, dump_json
+from passes.costs import CostModel
+from passes.memory_bytes import ByteFacts, RankBytes, post_ahead, predict_peaks
 from passes.simulate import SimResult, Slot
-from pipec.ir import COMPUTE_OPS, Instr
+from pipec.ir import COMPUTE_OPS, Compiled, Instr, Op
 from runtime.interpreter import StepTrace
+from runtime.meter import stash_extras
 
 MS = 1000.0
 
@@ -137,3 +140,33 @@ def write(out: Path, stats: dict, trace: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "stats.json").write_text(dump_json(stats))
     (out / "timeline.json").write_text(json.dumps(trace, sort_keys=True))
+
+
+def predicted_peaks(
+    plan: dict, compiled: Compiled, costs: CostModel, sim: SimResult, device: str
+) -> tuple[RankBytes, ...]:
+    """The prediction (passes/memory_bytes.py) for a run on `device` (gloo's receive policy on
+    CPU, NCCL's on CUDA). On CPU it runs the model once per chunk for what the meter sees
+    beyond the frontend's stash bytes (`stash_extras`): autograd's host bytes and, with the
+    B/W split, what W holds. On CUDA neither: host bytes are not device bytes, and building the
+    whole model on the host is what a GPU run avoids; W then holds the simulator's share."""
+    facts = ByteFacts.from_plan(plan)
+    if device == "cpu":
+        split = any(i.op in (Op.B, Op.W) for program in compiled.programs for i in program)
+        extras = stash_extras(plan, split)
+        facts = ByteFacts.from_plan(plan, extras.host, extras.w_held)
+    backend = "gloo" if device == "cpu" else "nccl"
+    return predict_peaks(compiled.layout, compiled.programs, costs, sim, facts, post_ahead(backend))
+
+
+def memory_rows(peaks: tuple[RankBytes, ...], stats: dict | None) -> list[dict]:
+    """Per rank: predicted peak bytes (and terms) and, after a run, the real peak and the
+    ratio real / predicted (`pipec show`'s table and --json)."""
+    rows = []
+    for r, peak in enumerate(peaks):
+        row = {"rank": r, "predicted_peak_bytes": peak.total, "predicted": peak.to_json()}
+        if stats is not None:
+            real = stats["ranks"][r]["real_peak_bytes"]
+            row |= {"real_peak_bytes": real, "ratio": real / peak.total}
+        rows.append(row)
+    return rows
