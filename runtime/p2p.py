@@ -100,6 +100,7 @@ class Comm:
         self.waiting_on: tuple[int, Kind, int, int] | None = None  # (src, key) of a blocked wait
         self._lanes: dict[int, queue.Queue[Send]] | None = {} if lanes else None
         self._error: Exception | None = None  # a lane's failure, raised by the next call here
+        self._lock = threading.Lock()  # a lane marking a send complete vs the poll
 
     def _tag(self, kind: Kind, stage: int, mb: int, i: int) -> int:
         return ((kind * self.n_stages + stage) * self.m + mb) * MAX_TENSORS + i
@@ -177,7 +178,8 @@ class Comm:
             except Exception as e:  # noqa: BLE001 - handed to the main thread
                 self._error = e
             finally:
-                out.finish(self.clock)  # the buffers go now, not at the next poll
+                with self._lock:  # the clock it reads is the poll's: none misses it
+                    out.finish(self.clock)  # the buffers go now, not at the next poll
                 lane.task_done()
 
     def _send_and_wait(self, out: Send) -> None:
@@ -197,8 +199,9 @@ class Comm:
             for out in self.in_flight:
                 if out.completed_at is None and all(w.is_completed() for w in out.works):
                     out.finish(self.clock)
-        if any(out.completed_at is not None for out in self.in_flight):
-            self.in_flight = [out for out in self.in_flight if out.completed_at is None]
+        with self._lock:
+            if any(out.completed_at is not None for out in self.in_flight):
+                self.in_flight = [out for out in self.in_flight if out.completed_at is None]
 
     def complete(self, kinds: frozenset[Kind] | None = None) -> None:
         """Wait until the sends in flight (of `kinds`; None: all) have completed; release them."""
