@@ -58,7 +58,7 @@ ALLOCATES = frozenset({Op.F, Op.RECOMPUTE, Op.LOAD, Op.ACCEPT})
 #: How many compute instructions before its consumer the runtime posts a receive, per backend
 #: (None: all of a step's receives at its start). NCCL matches in issue order, so its receives
 #: stay at their program positions.
-POST_AHEAD: dict[str, int | None] = {"gloo": 1, "nccl": 0}
+POST_AHEAD: dict[str, int | None] = {"gloo": None, "nccl": 0}
 
 
 def post_ahead(backend: str) -> int | None:

@@ -26,6 +26,7 @@ from runtime import compute, grads, offload, p2p
 from runtime.faults import Watchdog
 from runtime.meter import Meter, model_state_bytes
 from runtime.rank import FIRST_INSTR_LINE, Rank
+from runtime.stash import tensors_nbytes
 
 Handler = Callable[[Rank, Instr], None]
 
@@ -108,7 +109,8 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
     params = rt.parameters()
     best, state = -1, 0
     comm.pop_waited()
-    meter.start_step(model_state_bytes(params, rt.optimizer))
+    at_start = model_state_bytes(params, rt.optimizer)  # no gradients yet: zeroed to None
+    meter.start_step(at_start)
     t_begin = now()
     for k, instr in enumerate(program):
         comm.clock += 1
@@ -129,7 +131,8 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
         live[k] = rt.live
         real[k] = sample = meter.read()
         if sample > best:
-            best, state = sample, model_state_bytes(params, rt.optimizer)
+            grads = [p.grad for p in params if p.grad is not None]
+            best, state = sample, at_start + (tensors_nbytes(grads) if grads else 0)
     watchdog.leave()
     wall = now() - t_begin
     handler = sum(e - b for b, e in zip(begun, end))
