@@ -27,8 +27,9 @@ holds, term by term (every figure a measured fact of the model, in bytes):
   on the same rank is held until that stage consumes it;
 - held: stashes evicted by partners, from ACCEPT to RETURN;
 - host: (CPU runs) autograd's own records of each live stash's graph (nodes, tensor headers),
-  from F or RECOMPUTE to the backward, per chunk as measured on this machine. A GPU keeps them
-  in host memory, which its meter does not count: there this term is absent.
+  from F or RECOMPUTE to the backward, per chunk as measured on this machine; and each posted
+  receive's records beside its buffer (`GLOO_RECV_HOST_BYTES`). A GPU keeps them in host
+  memory, which its meter does not count: there this term is absent.
 
 Not modelled: the working memory inside an instruction (the meter samples between them), a
 tensor shared by two terms (an output a later op of the same stage saves counts twice), the
@@ -54,6 +55,11 @@ _BACKWARDS = (Op.B, Op.BW)
 #: one of them the runtime waits for its rank's stash moves out to complete (runtime/offload.py).
 ALLOCATES = frozenset({Op.F, Op.RECOMPUTE, Op.LOAD, Op.ACCEPT})
 
+
+#: Host bytes one posted gloo receive holds beside its buffer: the tensor's header (~0.36 KiB)
+#: and gloo's request (~1.3 KiB), measured with torch 2.13 by posting 64 receives of 4 KiB.
+#: Part of the host term of a CPU run (a gloo run posts a step's receives at its start).
+GLOO_RECV_HOST_BYTES = 1650.0
 
 #: How many compute instructions before its consumer the runtime posts a receive, per backend
 #: (None: all of a step's receives at its start). NCCL matches in issue order, so its receives
@@ -97,10 +103,12 @@ class ByteFacts:
     message: tuple[float, ...]
     host: tuple[float, ...] = ()
     w_held: tuple[float, ...] = ()
+    recv_host: float = 0.0
+    """Host bytes a posted receive holds beside its buffer (a CPU run; 0: not counted)."""
 
     @staticmethod
     def from_plan(
-        plan: dict, host: Sequence[float] = (), w_held: Sequence[float] = ()
+        plan: dict, host: Sequence[float] = (), w_held: Sequence[float] = (), recv_host: float = 0.0
     ) -> ByteFacts:
         """From a build's plan.json: the frontend's per-chunk facts."""
         stages = plan["model"]["stages"]
@@ -120,6 +128,7 @@ class ByteFacts:
             message,
             tuple(host),
             tuple(w_held),
+            recv_host,
         )
 
 
@@ -249,6 +258,7 @@ def predict_peaks(
                 else:
                     nbytes, consumer = facts.message[c], backward_of(r, s, mb)
                 book.hold("buffers", recv_post[k], consumer, nbytes)
+                book.hold("host", recv_post[k], consumer, facts.recv_host)
             elif op is Op.SEND_GRAD:
                 prev = layout.prev_stage(s)
                 sent(

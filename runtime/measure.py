@@ -28,7 +28,13 @@ from pathlib import Path
 
 from codegen.render import chrome_trace, dump_json
 from passes.costs import CostModel
-from passes.memory_bytes import ByteFacts, RankBytes, post_ahead, predict_peaks
+from passes.memory_bytes import (
+    GLOO_RECV_HOST_BYTES,
+    ByteFacts,
+    RankBytes,
+    post_ahead,
+    predict_peaks,
+)
 from passes.simulate import SimResult, Slot
 from pipec.ir import COMPUTE_OPS, Compiled, Instr, Op
 from runtime.interpreter import StepTrace
@@ -148,13 +154,14 @@ def predicted_peaks(
     """The prediction (passes/memory_bytes.py) for a run on `device` (gloo's receive policy on
     CPU, NCCL's on CUDA). On CPU it runs the model once per chunk for what the meter sees
     beyond the frontend's stash bytes (`stash_extras`): autograd's host bytes and, with the
-    B/W split, what W holds. On CUDA neither: host bytes are not device bytes, and building the
-    whole model on the host is what a GPU run avoids; W then holds the simulator's share."""
+    B/W split, what W holds; and it counts each posted gloo receive's host bytes. On CUDA
+    none of these: host bytes are not device bytes, and building the whole model on the host
+    is what a GPU run avoids; W then holds the simulator's share."""
     facts = ByteFacts.from_plan(plan)
     if device == "cpu":
         split = any(i.op in (Op.B, Op.W) for program in compiled.programs for i in program)
         extras = stash_extras(plan, split)
-        facts = ByteFacts.from_plan(plan, extras.host, extras.w_held)
+        facts = ByteFacts.from_plan(plan, extras.host, extras.w_held, GLOO_RECV_HOST_BYTES)
     backend = "gloo" if device == "cpu" else "nccl"
     return predict_peaks(compiled.layout, compiled.programs, costs, sim, facts, post_ahead(backend))
 
