@@ -91,10 +91,12 @@ class StepTrace:
 def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) -> StepTrace:
     """Execute the rank's program once (one training step).
 
-    Receives are posted `comm.post_ahead` compute instructions before their consumer
-    (`post_points`): posting has no dependencies and gloo matches by tag, so the order of
-    compute and sends is unchanged; a receive posted ahead gives the sender's transfer the
-    time of those instructions, and costs its buffer for that long.
+    Receives are posted where `post_points` says for `comm.post_ahead`: on gloo all of a
+    step's at its start, since a gloo send whose receive is not posted waits for the
+    receiver's notice, which a computing receiver delays by milliseconds; with NCCL at their
+    program positions, the issue order it matches by. Posting has no dependencies and gloo
+    matches by tag, so the order of compute and sends is unchanged; the cost is each buffer
+    from its posting to its consumer, which the prediction counts.
     """
     program, comm = rt.program, rt.comm
     if rt.meter is None:

@@ -8,7 +8,7 @@ waits on the host for one.
 
 Receives: `post` issues a non-blocking receive into buffers the caller allocated; `take` waits
 for it and hands the buffers over (the consuming instruction; the time it waits is not busy
-time). Where the interpreter posts them is its policy (`runtime.interpreter.post_points`).
+time). Where the interpreter posts them is the backend's policy (`passes.memory_bytes.POST_AHEAD`).
 
 Sends: `send` issues a non-blocking send and keeps its tensors in `in_flight` only until it
 completes; `poll`, which the interpreter calls after every instruction, lets completed ones go,
