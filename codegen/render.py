@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from itertools import chain, groupby
@@ -61,12 +61,12 @@ def dump_json(data: object) -> str:
 def chrome_trace(
     timeline: Sequence[Sequence[Slot]],
     title: str,
-    counters: Sequence[Sequence[tuple[float, float]]] = (),
+    counters: Sequence[Sequence[tuple[float, Mapping[str, float]]]] = (),
 ) -> dict:
     """A timeline as a Chrome/Perfetto trace: one thread per rank, times in ms of cost units.
 
     The simulator's timeline and the runtime's measured one print the same way; `counters`
-    (per rank: (time, live stash bytes) points) adds a memory track per rank.
+    (per rank: (time, {series: bytes}) points) adds a memory track per rank.
     """
     events: list[dict] = [
         {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": title}}
@@ -95,15 +95,15 @@ def chrome_trace(
                 }
             )
     for rank, points in enumerate(counters):
-        for t, live in points:
+        for t, series in points:
             events.append(
                 {
-                    "name": f"stash bytes rank {rank}",
+                    "name": f"memory rank {rank}",
                     "ph": "C",
                     "pid": 0,
                     "tid": rank,
                     "ts": round(t * TRACE_US_PER_UNIT, 3),
-                    "args": {"bytes": live},
+                    "args": dict(series),
                 }
             )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
@@ -468,6 +468,8 @@ def measured_table(stats: dict) -> str:
 
     Simulated times from estimated costs (FLOPs at an assumed device speed) are no
     prediction of this machine: they are printed, but not compared with the measured ones.
+    Memory: the real peak (the meter's bytes, runtime/meter.py) and the stash counter's peak
+    (the bytes the runtime books for stashes) beside the simulator's stash peak.
     """
     m, s = stats["measured"], stats["simulated"]
     if s["cost_source"] == "estimate":
@@ -486,15 +488,36 @@ def measured_table(stats: dict) -> str:
         + f"({s['cost_source']} costs):",
         f"{makespan}; iteration {m['iteration_ms']:.2f} ms",
         f"  bubble   {m['bubble']:.3f} measured vs {s['bubble']:.3f} simulated",
-        f"  {'rank':>4}  {'peak stash measured':>20}  {'simulated':>10}  {'busy ms':>8}  "
-        + f"{'sim busy':>8}  {'overhead/instr':>14}",
+        f"  {'rank':>4}  {'real peak':>10}  {'stash counter':>13}  {'sim stash':>10}  "
+        + f"{'busy ms':>8}  {'sim busy':>8}  {'overhead/instr':>14}",
     ]
     for r in stats["ranks"]:
         sim_peak = r["simulated_peak_stash_bytes"]
         lines.append(
-            f"  {r['rank']:>4}  {format_bytes(r['peak_stash_bytes']):>20}  "
+            f"  {r['rank']:>4}  {format_bytes(r['real_peak_bytes']):>10}  "
+            f"{format_bytes(r['peak_stash_bytes']):>13}  "
             f"{format_bytes(sim_peak) if sim_peak is not None else '-':>10}  "
             f"{r['busy_ms']:>8.2f}  {r['simulated_busy_ms']:>8.4g}  "
             f"{r['overhead_us_per_instruction']:>11.1f} us"
+        )
+    return "\n".join(lines)
+
+
+def bytes_table(rows: Sequence[Mapping]) -> str:
+    """Per rank, the predicted peak bytes (passes/memory_bytes.py), by term, beside the real
+    peak a run measured and their ratio (`pipec show`'s memory table)."""
+    terms = ("params", "optimizer", "grads", "stash", "buffers", "held", "host")
+    lines = [
+        "peak bytes per rank, predicted (by term) vs measured real:",
+        f"  {'rank':>4}  {'predicted':>10}  {'real':>10}  {'real/pred':>9}  "
+        + "  ".join(f"{t:>9}" for t in terms),
+    ]
+    for row in rows:
+        real = row.get("real_peak_bytes")
+        ratio = f"{row['ratio']:.3f}" if real is not None else "-"
+        lines.append(
+            f"  {row['rank']:>4}  {format_bytes(row['predicted_peak_bytes']):>10}  "
+            f"{format_bytes(real) if real is not None else '-':>10}  {ratio:>9}  "
+            + "  ".join(f"{format_bytes(row['predicted'][t]):>9}" for t in terms)
         )
     return "\n".join(lines)

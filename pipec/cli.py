@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from codegen.render import measured_table, terminal_gantt
+from codegen.render import bytes_table, measured_table, terminal_gantt
 from passes.costs import CostModel, parse_costs, parse_mem
 from passes.evict import amount
 from passes.placement import MAPPINGS
@@ -29,7 +29,7 @@ from passes.residency import NEEDS_MODEL
 from passes.simulate import SimResult
 from passes.topology import Topology, make_topology
 from pipec import __version__
-from pipec.build_dir import check_build, check_out, emit, load, time_unit
+from pipec.build_dir import Build, check_build, check_out, emit, load, time_unit
 from pipec.compile import CompileResult, compile_schedule, gc_paused
 from pipec.footprint import check_fits
 from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
@@ -485,11 +485,22 @@ def simulate_cmd(as_json: bool, **opts) -> CompileResult:
     show_default=True,
     help="Columns of the Gantt chart.",
 )
-def show(directory: Path, lines: int, width: int) -> None:
-    """Print a build's programs, per-rank figures and a terminal Gantt chart; exit 2 when the
-    verifier finds the build broken (after its programs, which show where)."""
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the figures as JSON instead (per rank: predicted and real peak bytes).",
+)
+def show(directory: Path, lines: int, width: int, as_json: bool) -> None:
+    """Print a build's programs, per-rank figures and a terminal Gantt chart; after a run, the
+    measured figures and the predicted vs real peak bytes per rank. Exit 2 when the verifier
+    finds the build broken (after its programs, which show where)."""
     build = load(directory)
     c = build.compiled
+    if as_json:
+        sim = _checked(build)
+        click.echo(json.dumps(_show_json(build, sim, _measured(directory)), sort_keys=True))
+        return
     click.echo(f"{c.schedule} p={c.p} m={c.m} v={c.v} plan {build.plan_hash}")
     for rank, program in enumerate(c.programs):
         shown = program if lines <= 0 else program[:lines]
@@ -497,20 +508,30 @@ def show(directory: Path, lines: int, width: int) -> None:
         click.echo("\n".join(f"  {instr}" for instr in shown))
         if len(shown) < len(program):
             click.echo(f"  ... {len(program) - len(shown)} more (--lines 0 shows all)")
-    try:
-        sim = check_build(build)
-    except PipecError as e:
-        raise PipecError(f"this build is broken: {e}") from None
+    sim = _checked(build)
     click.echo(_rank_table(sim, build.plan))
     if build.plan.get("evict"):
         click.echo(_eviction_line(sim, c.layout, build.costs, build.plan))
     click.echo(_placement_table(c.layout, build.costs.topology))
     click.echo(terminal_gantt(sim, width))
-    measured = directory / "measured" / "stats.json"
-    if measured.is_file():  # written by a run of OUT/launch.py
-        stats = json.loads(measured.read_text())
+    stats = _measured(directory)
+    if stats is not None:  # written by a run of OUT/launch.py
         click.echo(measured_table(stats))
+        click.echo(bytes_table(_memory_rows(build, sim, stats)))
         _echo_planned(build.plan, stats)
+
+
+def _measured(directory: Path) -> dict | None:
+    measured = directory / "measured" / "stats.json"
+    return json.loads(measured.read_text()) if measured.is_file() else None
+
+
+def _checked(build: Build) -> SimResult:
+    """`check_build`'s simulation, or a PipecError saying the build is broken and why."""
+    try:
+        return check_build(build)
+    except PipecError as e:
+        raise PipecError(f"this build is broken: {e}") from None
 
 
 def _echo_planned(plan: dict, stats: dict) -> None:
@@ -520,6 +541,34 @@ def _echo_planned(plan: dict, stats: dict) -> None:
     line = planned_line(plan, stats)
     if line is not None:
         click.echo(line)
+
+
+def _memory_rows(build: Build, sim: SimResult, stats: dict | None) -> list[dict]:
+    """Predicted peak bytes per rank (for the run's device: CPU unless it ran on CUDA), with
+    the run's real peaks when there was one (runtime/measure.py)."""
+    from runtime.measure import memory_rows, predicted_peaks  # torch: only when asked
+
+    device = stats.get("device", "cpu") if stats is not None else "cpu"
+    peaks = predicted_peaks(build.plan, build.compiled, build.costs, sim, device)
+    return memory_rows(peaks, stats)
+
+
+def _show_json(build: Build, sim: SimResult, stats: dict | None) -> dict:
+    """`pipec show --json`: the simulated figures and, per rank, predicted and real peak bytes
+    (real only after a run), with the run's measured figures."""
+    c = build.compiled
+    out = {
+        "schedule": c.schedule,
+        "p": c.p,
+        "m": c.m,
+        "v": c.v,
+        "plan": build.plan_hash,
+        "simulated": sim.to_json(),
+        "measured": None if stats is None else stats["measured"] | {"device": stats["device"]},
+    }
+    if build.plan.get("model") is not None:
+        out["ranks"] = _memory_rows(build, sim, stats)
+    return out
 
 
 @cli.command("verify")

@@ -134,7 +134,9 @@ class _SplitLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = dy.matmul(weight if ctx.out_in else weight.t())
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            ctx.queue.defer(_Deferred(weight, bias, ctx.out_in, x, dy))
+            # Detached: x comes back with its history, which reaches the stage inputs (and
+            # the gradients B gives them); W needs only x's values.
+            ctx.queue.defer(_Deferred(weight, bias, ctx.out_in, x.detach(), dy))
         return dx, None, None, None, None
 
 
@@ -147,9 +149,12 @@ def split_linear(
     return _SplitLinearFunction.apply(x, weight, bias, queue, form)
 
 
+@torch.no_grad()
 def _accumulate_weight_grad(work: _Deferred) -> None:
     # The reductions torch's own backward performs (mm backward on the flattened input, bias
-    # gradient as a sum over the flattened rows), so results are bit-identical.
+    # gradient as a sum over the flattened rows), so results are bit-identical. Without grad
+    # mode: a recorded GEMM would make each .grad hold x and dY (and W's own graph) until the
+    # gradients are zeroed.
     x2 = work.x.reshape(-1, work.x.shape[-1])
     dy2 = work.dy.reshape(-1, work.dy.shape[-1])
     grads = [(work.weight, dy2.t().mm(x2) if work.out_in else x2.t().mm(dy2))]

@@ -358,7 +358,7 @@ def _log_step(steps: int, saved: dict[int, Path]) -> Callable[[int, float, StepT
 
 def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:
     """Gather every rank's measurements; rank 0 writes measured/ and prints the comparison."""
-    mine = rank_report(rt.grank, rt.program, rt.peak, traces)
+    mine = rank_report(rt.grank, rt.program, rt.peak, traces, rt.device.type)
     reports: list | None = [None] * rt.world if rt.grank == 0 else None
     dist.gather_object(mine, reports, dst=0)
     if rt.grank != 0:

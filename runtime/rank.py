@@ -19,11 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from passes.memory_bytes import post_ahead
 from pipec.build_dir import Build, rank_file
 from pipec.frontend import FrontendError, ModelSpec, build_stages, load_factory
 from pipec.ir import Instr, Op, PipecError
 from runtime.bwsplit import split_backward
 from runtime.data import MicroBatch, Stream, Synthetic, open_source
+from runtime.meter import Meter
 from runtime.p2p import Comm
 from runtime.stash import Stash, storage_key
 
@@ -86,6 +88,7 @@ class Rank:
     live: int = 0
     peak: int = 0
     data: Synthetic | Stream | None = None  # opened by the first `batch` unless set
+    meter: Meter | None = None  # real bytes; made at the first step (runtime/interpreter.py)
 
     @property
     def layout(self):
@@ -252,8 +255,8 @@ class Rank:
             self.layout.m,
             timeout,
             # NCCL matches in issue order on one stream per peer: keep the program's positions
-            post_early=dist.get_backend() == "gloo",
-            send_thread=dist.get_backend() == "gloo",
+            post_ahead=post_ahead(dist.get_backend()),
+            lanes=dist.get_backend() == "gloo",
         )
         dp_groups = [[d * c.world + r for d in range(self.dp)] for r in range(c.world)]
         for r, ranks in enumerate(dp_groups):

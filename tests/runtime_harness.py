@@ -2,11 +2,14 @@
 
     torchrun --standalone --nproc-per-node 4 tests/runtime_harness.py CASES.json RESULTS_DIR
 
-CASES.json lists {"name", "build", "kind": "grads" | "train", "steps", "lr"}. For each case every
-rank rebuilds its stages from the build, runs its program and writes to RESULTS_DIR/<rank>.json
-what tests/test_runtime.py asserts: its parameter gradients compared with a single-process
-reference on the same micro-batches (grads: the comparison `launch.py --check-grads` makes), the
-loss curve beside the reference's (train, rank 0), and the measured peak stash bytes.
+CASES.json lists {"name", "build", "kind": "grads" | "train" | "memory", "steps", "lr"}. For each
+case every rank rebuilds its stages from the build, runs its program and writes to
+RESULTS_DIR/<rank>.json what the runtime tests assert: its parameter gradients compared with a
+single-process reference on the same micro-batches (grads: the comparison
+`launch.py --check-grads` makes), the loss curve beside the
+reference's (train, rank 0), and the stash counter's peak. A memory case trains `steps` steps
+with AdamW, compares the first step's gradients with the reference, reports the real peak bytes
+of the steps after the first (runtime/meter.py) and watches every send (`SendWatch`).
 """
 
 from runtime.faults import take_termination_signals
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from pipec.build_dir import load
 from pipec.frontend import load_factory
@@ -29,9 +33,78 @@ from runtime.faults import Watchdog
 from runtime.gradcheck import GradCapture, compare, reference_grads
 from runtime.interpreter import HANDLERS
 from runtime.main import train, write_measurements
+from runtime.p2p import Kind
 from runtime.rank import Rank
 
 TIMEOUT_S = 60.0
+
+
+class CapturingAdamW(torch.optim.AdamW):
+    """AdamW that keeps a copy of the first step's gradients before stepping."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.params = params
+        self.grads: dict[int, torch.Tensor] | None = None
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        if self.grads is None:
+            self.grads = {id(p): p.grad.detach().clone() for p in self.params if p.grad is not None}
+        return super().step(closure)
+
+
+class SendWatch:
+    """Checks at every instruction that the runtime lets a sent buffer go once its send has
+    completed: the comm drops a completed send at the next instruction boundary, and the
+    storages of a gradient or stash send (nothing else on the rank keeps them; an activation
+    stays in its stash) are freed within `slack` instructions of the completion."""
+
+    SOLE = (Kind.GRAD, Kind.STASH, Kind.STASH_BACK)
+
+    def __init__(self, rt: Rank, slack: int = 2) -> None:
+        self.rt, self.slack = rt, slack
+        self.watched: list[tuple[object, list[StorageWeakRef]]] = []
+        self.checked, self.worst, self.errors = 0, 0, []
+        send = rt.comm.send
+
+        def watched_send(kind, stage, mb, peer, tensors):  # type: ignore[no-untyped-def]
+            refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+            send(kind, stage, mb, peer, tensors)
+            self.watched.append((rt.comm.in_flight[-1], refs if kind in self.SOLE else []))
+
+        rt.comm.send = watched_send
+
+    def wrap(self, handlers):  # type: ignore[no-untyped-def]
+        def checked(handler):  # type: ignore[no-untyped-def]
+            def run(rt: Rank, instr) -> None:  # type: ignore[no-untyped-def]
+                self.check(rt.comm.clock)
+                handler(rt, instr)
+
+            return run
+
+        return {op: checked(h) for op, h in handlers.items()}
+
+    def check(self, k: int) -> None:
+        """At the start of instruction k (the comm's clock): what the poll after instruction
+        k - 1 should have let go."""
+        flying = {id(out) for out in self.rt.comm.in_flight}
+        left = []
+        for out, refs in self.watched:
+            done = out.completed_at
+            if done is None:
+                left.append((out, refs))
+                continue
+            if done < k - 1 and id(out) in flying:
+                self.errors.append(f"{out.key} completed at {done}, still held at {k}")
+            if any(not r.expired() for r in refs):
+                lag = k - done
+                self.worst = max(self.worst, lag)
+                if lag > self.slack:
+                    self.errors.append(f"{out.key} completed at {done}, storage alive at {k}")
+                left.append((out, refs))
+                continue
+            self.checked += 1
+        self.watched = left
 
 
 @cache
@@ -87,6 +160,20 @@ def run_case(case: dict, watchdog: Watchdog) -> dict:
         rt.connect(GradCapture, TIMEOUT_S)
         train(rt, 1, HANDLERS, watchdog)
         result = compare_grads(rt, rt.optimizer.grads)
+    elif case["kind"] == "memory":
+        rt.connect(lambda ps: CapturingAdamW(ps, case["lr"]), TIMEOUT_S)
+        watch = SendWatch(rt)
+        traces = train(rt, case["steps"], watch.wrap(HANDLERS), watchdog)
+        write_measurements(rt, traces, skip=1)
+        result = compare_grads(rt, rt.optimizer.grads)
+        real, state = max((t.real_peak, t.state_at_peak) for t in traces[1:])
+        result |= {
+            "real_peak_bytes": real,
+            "model_state_at_peak_bytes": state,
+            "sends_checked": watch.checked,
+            "send_release_lag": watch.worst,
+            "send_errors": watch.errors[:5],
+        }
     else:
         lr, steps = case["lr"], case["steps"]
         rt.connect(lambda ps: torch.optim.AdamW(ps, lr=lr), TIMEOUT_S)
