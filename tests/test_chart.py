@@ -141,6 +141,7 @@ def test_model_times_are_in_ms_and_estimates_say_so():
 def measured_stats(cost_source: str) -> dict:
     """runtime/measure.py's stats.json for a 2-rank run (the fields measured_table reads)."""
     rank = {
+        "real_peak_bytes": 4096,
         "peak_stash_bytes": 1024,
         "simulated_peak_stash_bytes": 1024,
         "busy_ms": 50.0,

@@ -53,9 +53,14 @@ def run_step(device: str, stream: FakeStream, n: int = 3):
     program = tuple(Instr(Op.F, 0, mb) for mb in range(n))
     rt = SimpleNamespace(
         program=program,
-        comm=SimpleNamespace(post_early=False, pop_waited=lambda: 0.0),
+        comm=SimpleNamespace(
+            post_ahead=0, pop_waited=lambda: 0.0, poll=lambda: None, clock=0, in_flight=[]
+        ),
         live=0,
         device=torch.device(device),
+        meter=SimpleNamespace(start_step=lambda state: None, read=lambda: 0, step_peak=max),
+        parameters=lambda: [],
+        optimizer=None,
     )
     watchdog = SimpleNamespace(enter=lambda k, t: None, leave=lambda: None)
     return run_program(rt, {Op.F: lambda rt, instr: stream.launch(WORK_S)}, watchdog)
