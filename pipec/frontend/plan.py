@@ -20,7 +20,6 @@ from pipec.frontend.boundaries import input_names, named_leaves, run_boundaries
 from pipec.frontend.cost import Flops, count_flops
 from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, measure_stash_bytes
 from pipec.frontend.partition import (
-    block_name,
     block_of_nodes,
     find_blocks,
     resolve,
@@ -211,10 +210,8 @@ def _trace(
     """Capture the model (`capture`, else the spec's choice) and locate its blocks; with
     `device`, first move the model and its example batch there (`--device`, or a rank's own).
 
-    "auto" takes torch.fx's graph when symbolic tracing sees into every block (module-level
-    nodes, functions such as `runtime.kernels.attention` kept whole), else torch.export's: for
-    a model fx cannot trace, and for blocks fx keeps as one opaque call (`torch.nn` layers such
-    as `nn.TransformerEncoderLayer`), whose weight gradients could not be deferred to W.
+    "auto" takes torch.export's graph, and torch.fx's only when export fails (then, when fx
+    fails too, export's error is the one reported).
     """
     if isinstance(spec, str):
         ms = load_factory(spec, seed, micro_batch_size)
@@ -228,21 +225,27 @@ def _trace(
         ms = on_device(ms, str(device))
     method = capture or ms.capture
     blocks_path, n_blocks = find_blocks(ms.model)
-    if method in ("auto", "fx"):
+    if method == "fx":
+        return _located(ms, trace(ms), "fx", blocks_path, n_blocks)
+    try:
+        gm = export(ms)
+    except FrontendError as export_error:
+        if method == "export":
+            raise
         try:
             gm = trace(ms)
-            block_of = block_of_nodes(gm, blocks_path, n_blocks)
         except FrontendError:
-            if method == "fx":
-                raise
-        else:
-            names = {block_name(blocks_path, i) for i in range(n_blocks)}
-            opaque = any(n.op == "call_module" and n.target in names for n in gm.graph.nodes)
-            if method == "fx" or not opaque:
-                return _Traced(ms, gm, "fx", blocks_path, n_blocks, block_of)
-    gm = export(ms)
-    block_of = block_of_nodes(gm, blocks_path, n_blocks)
-    return _Traced(ms, gm, "export", blocks_path, n_blocks, block_of)
+            raise export_error from None
+        return _located(ms, gm, "fx", blocks_path, n_blocks)
+    return _located(ms, gm, "export", blocks_path, n_blocks)
+
+
+def _located(
+    ms: ModelSpec, gm: fx.GraphModule, capture: str, blocks_path: str, n_blocks: int
+) -> _Traced:
+    return _Traced(
+        ms, gm, capture, blocks_path, n_blocks, block_of_nodes(gm, blocks_path, n_blocks)
+    )
 
 
 def _partition(

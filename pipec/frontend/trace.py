@@ -1,13 +1,17 @@
-"""Capture a model as one fx graph: torch.fx symbolic tracing or torch.export.
+"""Capture a model as one fx graph: torch.export, or torch.fx symbolic tracing.
 
-`trace(spec)` is `torch.fx.symbolic_trace` with the spec's concrete arguments and leaf modules,
-plus `runtime.kernels.attention` recorded as one call: module-level graphs (`call_module` of
-each `nn.Linear`) that run on any device. `export(spec)` is `torch.export.export` (non-strict):
-an ATen-level graph that goes through what symbolic tracing cannot (shape arithmetic,
-`ModelOutput`s, Hugging Face mask builders, `torch.nn` containers); parameters keep their
-qualified names as `get_attr` targets and every node its `meta["nn_module_stack"]`. Either way,
-a failure becomes `FrontendError`: the module being captured, the file:line of the user code
-that failed, and the fix.
+`export(spec)` is `torch.export.export` (non-strict): an ATen-level graph that goes through
+shape arithmetic, `ModelOutput`s, Hugging Face mask builders and `torch.nn` containers, and
+keeps custom ops (`torch.library.custom_op`, such as `runtime.kernels.attention`) as one node
+with their own backward; parameters keep their qualified names as `get_attr` targets and every
+node its `meta["nn_module_stack"]`. `trace(spec)` is `torch.fx.symbolic_trace` with the spec's
+concrete arguments and leaf modules, plus `runtime.kernels.attention` recorded as one call:
+module-level graphs (`call_module` of each `nn.Linear`).
+
+Both run the model's Python once; a custom `torch.autograd.Function` applied during that run
+is refused: a captured graph keeps its forward's operations and loses its backward, so the
+gradients would be silently wrong. Any failure becomes `FrontendError`: the module being
+captured, the file:line of the user code that failed, and the fix.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.fx.config
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -58,7 +63,8 @@ def trace(spec: ModelSpec) -> torch.fx.GraphModule:
     model = spec.model
     tracer = _Tracer(tuple(spec.leaf_modules), _autowrapped())
     try:
-        graph = tracer.trace(model, concrete_args=spec.concrete_args)
+        with _no_autograd_functions():
+            graph = tracer.trace(model, concrete_args=spec.concrete_args)
     except Exception as e:
         raise FrontendError(_explain(e, model, "trace")) from e
     _drop_guarded_placeholders(graph)
@@ -80,7 +86,7 @@ def export(spec: ModelSpec) -> torch.fx.GraphModule:
     if "use_cache" in inspect.signature(model.forward).parameters:
         kwargs.setdefault("use_cache", False)
     try:
-        with _quiet():
+        with _quiet(), _no_autograd_functions(), _no_stack_traces():
             program = torch.export.export(model, spec.example_inputs, kwargs, strict=False)
         gm = program.module()
     except Exception as e:
@@ -88,6 +94,7 @@ def export(spec: ModelSpec) -> torch.fx.GraphModule:
     _drop_assertions(gm)
     _positional_only(gm, len(spec.example_inputs))
     _read_tied_parameters_by_owner(gm)
+    gm.recompile()
     return gm
 
 
@@ -117,7 +124,6 @@ def _read_tied_parameters_by_owner(gm: torch.fx.GraphModule) -> None:
                 user.replace_input_with(attr, renamed)
         if not attr.users:
             gm.graph.erase_node(attr)
-    gm.recompile()
 
 
 def _positional_only(gm: torch.fx.GraphModule, n_args: int) -> None:
@@ -136,7 +142,41 @@ def _positional_only(gm: torch.fx.GraphModule, n_args: int) -> None:
     gm.graph._codegen.pytree_info = info._replace(
         orig_args=names, in_spec=pytree.tree_structure((tuple(names), {}))
     )
-    gm.recompile()
+
+
+class _AutogradFunctionApplied(Exception):
+    """A custom `torch.autograd.Function` ran while capturing (see the module docstring)."""
+
+    def __init__(self, function: type) -> None:
+        super().__init__(f"{function.__qualname__}.apply")
+        self.function = function
+
+
+@contextmanager
+def _no_autograd_functions() -> Iterator[None]:
+    """Raise `_AutogradFunctionApplied` from the first `torch.autograd.Function.apply` called
+    inside: under capture its backward would be lost."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def refuse(cls: type, *args: Any, **kwargs: Any) -> Any:
+        raise _AutogradFunctionApplied(cls)
+
+    torch.autograd.Function.apply = classmethod(refuse)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original  # type: ignore[method-assign]
+
+
+@contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """Skip export's per-node stack traces: a quarter of its time, and nothing reads them."""
+    before = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = before
 
 
 @contextmanager
@@ -163,7 +203,6 @@ def _drop_assertions(gm: torch.fx.GraphModule) -> None:
         if (guard or check) and not node.users:
             gm.graph.erase_node(node)
     gm.delete_all_unused_submodules()
-    gm.recompile()
 
 
 _GUARDS = {operator.eq, torch._assert, torch.fx._symbolic_trace._assert_is_none}
@@ -212,7 +251,19 @@ def _explain(e: Exception, model: nn.Module, how: str) -> str:
     data_dependent = "data-dependent" in message or (
         isinstance(e, torch.fx.proxy.TraceError) and "control flow" in message
     )
-    if data_dependent and code.startswith("assert"):
+    if isinstance(e, _AutogradFunctionApplied):
+        what = (
+            (
+                f"it applies the custom autograd.Function {e.function.__qualname__}, whose "
+                "backward a captured graph would lose"
+            ),
+            (
+                "make it a torch.library.custom_op with register_autograd (as "
+                "runtime.kernels.attention), or capture with torch.fx "
+                '(ModelSpec.capture="fx") and torch.fx.wrap the function that applies it'
+            ),
+        )
+    elif data_dependent and code.startswith("assert"):
         what = ("a Python assert on a traced value", f"remove the assert or {_CONCRETE}")
     elif data_dependent:
         what = (

@@ -1,17 +1,39 @@
-"""The attention dispatcher: the Triton flash kernel where it applies, SDPA everywhere else.
+"""The attention op: the Triton flash kernel where it applies, SDPA everywhere else.
 
-A model path must never fail on a shape the kernel does not take: inputs valid for SDPA but
-outside the kernel (a head dim over 256, float64, seq_q != seq_k, CPU tensors without the
-interpreter) run through SDPA, and the first call for each such reason says so once on stderr
-as a `KernelFallback` warning. Inputs no backend could take (wrong rank, mismatched shapes,
+`attention(q, k, v, is_causal, scale)` checks its inputs and calls `torch.ops.pipec.attention`,
+a torch custom op with its own backward (`pipec::attention_backward`), shapes for fake and
+meta tensors, and FLOP formulas (torch's SDPA formulas). Being an op rather than Python, it
+is one node whichever way a model is captured: torch.export records it (its backward with
+it) instead of tracing into the kernels, `torch.fx.wrap("attention")` records the call, and
+`torch.utils.flop_counter.FlopCounterMode` counts it.
+
+Which backend runs is decided each time the op runs, on the tensors it is given: the kernel
+on CUDA tensors (or wherever PIPEC_ATTENTION=triton says), SDPA elsewhere. A model path must
+never fail on a shape the kernel does not take: inputs valid for SDPA but outside the kernel
+(a head dim over 256, float64, seq_q != seq_k, CPU tensors without the interpreter) run
+through SDPA, and the first call for each such reason says so once on stderr as a
+`KernelFallback` warning. Inputs no backend could take (wrong rank, mismatched shapes,
 devices or dtypes) raise ValueError before anything runs.
+
+The op returns the output and the kernel's log-sum-exp (empty when SDPA ran): the backward
+of the kernel needs it, and an op's backward sees only its inputs and outputs. SDPA's
+backward is written out with the scores recomputed (as a flash backward does, and as
+torch's FLOP formula counts): inside an op there is no autograd graph to differentiate.
 """
 
 import os
+import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.flop_counter import (
+    register_flop_formula,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
 from runtime.kernels import flash
 
@@ -25,12 +47,15 @@ class KernelFallback(UserWarning):
 _noticed: set[str] = set()
 """Fallback reasons already announced in this process (each is announced once)."""
 
+_INTERNAL = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+"""Where the frames between a caller of `attention` and the notice live (skipped in it)."""
 
-def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+
+def _shapes(q: Tensor, k: Tensor, v: Tensor) -> str:
     return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
     """Checks every backend needs: the layout (batch, heads, seq, head_dim) and GQA grouping."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
@@ -56,7 +81,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
-def _backend(q: torch.Tensor) -> str:
+def _backend(q: Tensor) -> str:
     """PIPEC_ATTENTION if set, else Triton for CUDA tensors and SDPA elsewhere."""
     forced = os.environ.get("PIPEC_ATTENTION", "")
     if forced and forced not in BACKENDS:
@@ -67,23 +92,141 @@ def _backend(q: torch.Tensor) -> str:
     return forced or ("triton" if q.is_cuda else "sdpa")
 
 
+def _kernel_runs(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the op runs these inputs on the kernel: selected, and taken."""
+    return _backend(q) == "triton" and flash.supports(q, k, v) is None
+
+
 def _notice(reason: str) -> None:
     if reason not in _noticed:
         _noticed.add(reason)
         warnings.warn(
             f"attention: the Triton kernel does not take {reason}; using SDPA for such inputs",
             KernelFallback,
-            stacklevel=3,
+            stacklevel=_caller_level(),
         )
 
 
+def _caller_level() -> int:
+    """The `stacklevel` of the first frame outside torch and this package: the caller of
+    `attention`, however many dispatcher frames lie in between."""
+    frame, level = sys._getframe(1), 1  # `_notice`, whose warn counts from 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _scale(q: Tensor, scale: float | None) -> float:
+    return q.shape[3] ** -0.5 if scale is None else scale
+
+
+@torch.library.custom_op("pipec::attention", mutates_args=())
+def _attention(
+    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None
+) -> tuple[Tensor, Tensor]:
+    """(output, log-sum-exp): the kernel's, or SDPA's output and an empty tensor."""
+    if _kernel_runs(q, k, v):
+        return flash.forward(q, k, v, is_causal, _scale(q, scale))
+    if _backend(q) == "triton":
+        _notice(str(flash.supports(q, k, v)))
+    gqa = k.shape[1] != q.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    return out, q.new_empty(0, dtype=torch.float32)
+
+
+@_attention.register_fake
+def _(
+    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None
+) -> tuple[Tensor, Tensor]:
+    lse_shape = q.shape[:3] if _kernel_runs(q, k, v) else (0,)
+    return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("pipec::attention_backward", mutates_args=())
+def _attention_backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dQ, dK, dV) of `pipec::attention`, by the backend its forward ran on."""
+    if lse.numel():
+        return flash.backward(do, q, k, v, o, lse, is_causal, _scale(q, scale))
+    return _sdpa_backward(do, q, k, v, o, is_causal, _scale(q, scale))
+
+
+@_attention_backward.register_fake
+def _(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _sdpa_backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, is_causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """SDPA's gradients, in fp32 or wider: P = softmax(scale·QKᵀ) recomputed, then
+    dV = PᵀdO, dS = P∘(dO Vᵀ − rowsum(dO∘O)), dQ = scale·dS K, dK = scale·dSᵀQ, with a kv
+    head's dK and dV summed over its group of q heads. Causal is SDPA's top-left mask."""
+    group = q.shape[1] // k.shape[1]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    do_, q_, o_ = do.to(wide), q.to(wide), o.to(wide)
+    k_, v_ = (t.to(wide).repeat_interleave(group, 1) for t in (k, v))
+    scores = q_ @ k_.transpose(-2, -1) * scale
+    if is_causal:
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    p = scores.softmax(-1)
+    dv = p.transpose(-2, -1) @ do_
+    ds = p * (do_ @ v_.transpose(-2, -1) - (do_ * o_).sum(-1, keepdim=True))
+    dq = ds @ k_ * scale
+    dk = ds.transpose(-2, -1) @ q_ * scale
+    dk, dv = (g.unflatten(1, (-1, group)).sum(2) for g in (dk, dv))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, ctx.is_causal, ctx.scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _backward(ctx, do: Tensor, _dlse: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[no-untyped-def]
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _attention_backward(do, q, k, v, o, lse, ctx.is_causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+@register_flop_formula(torch.ops.pipec.attention)
+def _attention_flops(q, k, v, *args, **kwargs) -> int:  # type: ignore[no-untyped-def]
+    return sdpa_flop_count(q, k, v)
+
+
+@register_flop_formula(torch.ops.pipec.attention_backward)
+def _attention_backward_flops(do, q, k, v, *args, **kwargs) -> int:  # type: ignore[no-untyped-def]
+    return sdpa_backward_flop_count(do, q, k, v)
+
+
 def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
     is_causal: bool = False,
     scale: float | None = None,
-) -> torch.Tensor:
+) -> Tensor:
     """`F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)` for inputs of
     shape (batch, heads, seq, head_dim), where k and v may have fewer heads than q (grouped-query
     attention: q head h uses kv head h // (q heads / kv heads)).
@@ -93,11 +236,5 @@ def attention(
     fall back to SDPA with a one-time `KernelFallback` warning.
     """
     _check_inputs(q, k, v)
-    if _backend(q) == "triton":
-        reason = flash.supports(q, k, v)
-        if reason is None:
-            scale = q.shape[3] ** -0.5 if scale is None else scale
-            return flash.FlashAttention.apply(q, k, v, is_causal, scale)
-        _notice(reason)
-    gqa = k.shape[1] != q.shape[1]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    _backend(q)  # a bad PIPEC_ATTENTION is refused here, before the op
+    return torch.ops.pipec.attention(q, k, v, is_causal, scale)[0]

@@ -1,4 +1,4 @@
-"""Flash attention in Triton: forward and backward kernels, their tuning, the autograd function.
+"""Flash attention in Triton: forward and backward kernels, their tuning, and their launches.
 
 Algorithm: FlashAttention-2 (Dao 2023, arXiv 2307.08691), the work-partitioned form of
 FlashAttention (Dao et al. 2022, arXiv 2205.14135). For one (batch, head), with S = scale * Q K^T,
@@ -406,49 +406,55 @@ def _shape_args(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, i
     return B, H, T, H // k.shape[1], D, max(16, triton.next_power_of_2(D))
 
 
-class FlashAttention(torch.autograd.Function):
-    """Autograd glue: forward saves (q, k, v, o, lse); backward runs preprocess, dK/dV, dQ.
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, L): the attention output and the fp32 log-sum-exp per query row (base 2), all that
+    `backward` needs beside Q, K, V. Takes what `supports` accepts; the dispatcher
+    (`runtime.kernels.attention`) checks that first."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    B, H, T, group, D, block_d = _shape_args(q, k)
+    o = torch.empty_like(q)
+    lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
+    _attn_fwd[_grid(T, B * H, "BLOCK_M")](
+        q, k, v, o, lse, scale, T, H, group,
+        HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=is_causal, DOT_FP32=_dot_fp32(q),
+    )  # fmt: skip
+    return o, lse
 
-    `FlashAttention.apply(q, k, v, is_causal, scale)` takes what `supports` accepts; the
-    dispatcher (`runtime.kernels.attention`) checks that first.
-    """
 
-    @staticmethod
-    def forward(
-        ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float
-    ) -> torch.Tensor:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        B, H, T, group, D, block_d = _shape_args(q, k)
-        o = torch.empty_like(q)
-        lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
-        dot_fp32 = INTERPRET or q.dtype == torch.float32
-        _attn_fwd[_grid(T, B * H, "BLOCK_M")](
-            q, k, v, o, lse, scale, T, H, group,
-            HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=is_causal, DOT_FP32=dot_fp32,
-        )  # fmt: skip
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal, ctx.scale, ctx.dot_fp32 = is_causal, scale, dot_fp32
-        return o
+def backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) from the upstream gradient dO and `forward`'s inputs and results: the
+    preprocess, dK/dV and dQ kernels."""
+    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
+    B, H, T, group, D, block_d = _shape_args(q, k)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty_like(lse)
+    _attn_bwd_preprocess[(triton.cdiv(T, 64), B * H)](
+        o, do, delta, T, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=64
+    )
+    meta = {"HEAD_DIM": D, "BLOCK_D": block_d, "CAUSAL": is_causal, "DOT_FP32": _dot_fp32(q)}
+    _attn_bwd_dkdv[_grid(T, B * H // group, "BLOCK_N")](
+        q, k, v, do, dk, dv, lse, delta, scale, T, H, group, **meta
+    )
+    _attn_bwd_dq[_grid(T, B * H, "BLOCK_M")](
+        q, k, v, do, dq, lse, delta, scale, T, H, group, **meta
+    )
+    return dq, dk, dv
 
-    @staticmethod
-    def backward(ctx, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, o, lse = ctx.saved_tensors
-        do = do.contiguous()
-        B, H, T, group, D, block_d = _shape_args(q, k)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        delta = torch.empty_like(lse)
-        _attn_bwd_preprocess[(triton.cdiv(T, 64), B * H)](
-            o, do, delta, T, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=64
-        )
-        meta = {"HEAD_DIM": D, "BLOCK_D": block_d, "CAUSAL": ctx.is_causal}
-        meta["DOT_FP32"] = ctx.dot_fp32
-        _attn_bwd_dkdv[_grid(T, B * H // group, "BLOCK_N")](
-            q, k, v, do, dk, dv, lse, delta, ctx.scale, T, H, group, **meta
-        )
-        _attn_bwd_dq[_grid(T, B * H, "BLOCK_M")](
-            q, k, v, do, dq, lse, delta, ctx.scale, T, H, group, **meta
-        )
-        return dq, dk, dv, None, None
+
+def _dot_fp32(q: torch.Tensor) -> bool:
+    """Whether dots multiply in fp32: fp32 inputs (no silent TF32), or interpreted (see _dot)."""
+    return INTERPRET or q.dtype == torch.float32
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
