@@ -154,14 +154,17 @@ class _AutogradFunctionApplied(Exception):
 
 @contextmanager
 def _no_autograd_functions() -> Iterator[None]:
-    """Raise `_AutogradFunctionApplied` from the first `torch.autograd.Function.apply` called
-    inside: under capture its backward would be lost."""
+    """Raise `_AutogradFunctionApplied` from the first `apply` of a `torch.autograd.Function`
+    defined outside torch inside: under capture its backward would be lost. (torch's own,
+    such as the one carrying a custom op's registered backward, stay in the graph as ops.)"""
     original = torch.autograd.Function.__dict__["apply"]
 
-    def refuse(cls: type, *args: Any, **kwargs: Any) -> Any:
-        raise _AutogradFunctionApplied(cls)
+    def checked(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if not cls.__module__.startswith("torch."):
+            raise _AutogradFunctionApplied(cls)
+        return original.__func__(cls, *args, **kwargs)
 
-    torch.autograd.Function.apply = classmethod(refuse)  # type: ignore[method-assign,assignment]
+    torch.autograd.Function.apply = classmethod(checked)  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
