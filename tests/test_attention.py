@@ -1,5 +1,5 @@
-"""The attention kernel vs SDPA: outputs, gradients, head dims, GQA, the example models, the
-SDPA fallback and bad inputs.
+"""The attention kernel vs SDPA: outputs, gradients, head dims, GQA, the example models (eager
+and exported), the SDPA fallback, the op's FLOPs and shapes, and bad inputs.
 
 Without CUDA the kernels run under the Triton interpreter on CPU tensors; with CUDA they are
 compiled and the same tests run on the GPU, plus the bf16 test marked `gpu`.
@@ -25,8 +25,9 @@ if DEVICE == "cpu":
 import pytest
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
-from pipec.frontend import load_factory
+from pipec.frontend import ModelSpec, load_factory, split_model
 from pipec.frontend.partition import find_blocks
 from runtime.kernels import attention
 
@@ -272,6 +273,91 @@ def test_example_gradients_on_the_kernel(monkeypatch: pytest.MonkeyPatch):
     _, grads, _, _ = run_example("examples/llama.py:tiny", "triton", monkeypatch, backward=True)
     _, ref, _, _ = run_example("examples/llama.py:tiny", "sdpa", monkeypatch, backward=True)
     assert max(rel(a, b) for a, b in zip(grads, ref)) <= TOL[torch.float32]
+
+
+def test_exported_stages_run_the_kernel_forward_and_backward(monkeypatch: pytest.MonkeyPatch):
+    """torch.export keeps the op as one node: the exported stages of tiny LLaMA (head dim 16,
+    GQA) launch the kernel's forward and backward once per block each, and their gradients
+    equal the eager model's through SDPA."""
+    launches = {"forward": 0, "backward": 0}
+    for name, launch in [(name, getattr(flash, name)) for name in launches]:
+
+        def counted(*args, name=name, launch=launch):  # type: ignore[no-untyped-def]
+            launches[name] += 1
+            return launch(*args)
+
+        monkeypatch.setattr(flash, name, counted)
+    ms = load_factory("examples/llama.py:tiny")
+    model = ms.model.to(DEVICE)
+    x, target = tuple(t.to(DEVICE) for t in ms.example_inputs), ms.example_target.to(DEVICE)
+    stages = split_model(ModelSpec(model, x, target, ms.loss_fn), 2, "uniform")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dispatch.KernelFallback)
+        ms.loss_fn(stages[1](stages[0](*x)), target).backward()
+    blocks = find_blocks(model)[1]
+    assert launches == {"forward": blocks, "backward": blocks}
+    grads = {n: p.grad.clone() for stage in stages for n, p in stage.named_parameters()}
+    monkeypatch.setenv("PIPEC_ATTENTION", "sdpa")
+    model.zero_grad()
+    ms.loss_fn(model(*x), target).backward()
+    for name, p in model.named_parameters():
+        assert rel(grads[name], p.grad) <= TOL[torch.float32], name
+
+
+@pytest.mark.parametrize("backend", ["triton", "sdpa"])
+def test_flop_counter_counts_the_op(backend, monkeypatch: pytest.MonkeyPatch):
+    """FlopCounterMode counts the op and its backward op by torch's SDPA formulas, whichever
+    backend runs: forward 2 products of b·h·s²·d (4 FLOPs each), backward 5 (scores
+    recomputed), with GQA's k/v heads counted as broadcast to every q head."""
+    monkeypatch.setenv("PIPEC_ATTENTION", backend)
+    b, h, s, d = 2, 4, 32, 16
+    q = torch.randn(b, h, s, d, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(b, 2, s, d, device=DEVICE, requires_grad=True) for _ in "kv")
+    with FlopCounterMode(display=False) as counter:
+        out = attention(q, k, v, is_causal=True)
+        forward = counter.get_total_flops()
+        out.backward(torch.ones_like(out))
+    assert forward == 2 * (2 * b * h * s * s * d)
+    assert counter.get_total_flops() - forward == 5 * (2 * b * h * s * s * d)
+    assert k.grad.shape == k.shape
+
+
+def test_meta_tensors_take_the_ops_shapes():
+    """Meta (and fake) tensors run the op's registered shapes, forward and backward: a
+    paper-sized model is costed without memory."""
+    q = torch.empty(1, 8, 4096, 128, device="meta", requires_grad=True)
+    k, v = (torch.empty(1, 2, 4096, 128, device="meta", requires_grad=True) for _ in "kv")
+    out = attention(q, k, v, is_causal=True)
+    out.backward(torch.ones_like(out))
+    assert out.shape == q.shape and (q.grad.shape, k.grad.shape) == (q.shape, k.shape)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "q_shape", "kv_shape", "v_dim", "is_causal"),
+    [
+        (torch.float32, (2, 4, 20, 32), (2, 2, 20, 32), 32, True),
+        (torch.float16, (1, 2, 16, 32), (1, 2, 16, 32), 32, True),
+        (torch.float64, (1, 2, 16, 320), (1, 1, 24, 320), 64, True),
+        (torch.bfloat16, (1, 4, 16, 32), (1, 2, 16, 32), 32, False),
+    ],
+    ids=["fp32-gqa", "fp16", "fp64-hd320-seq-v64", "bf16-gqa"],
+)
+def test_sdpa_backend_gradients_match_sdpa(dtype, q_shape, kv_shape, v_dim, is_causal, monkeypatch):
+    """The op's SDPA backward (written out, scores recomputed, in fp32 or wider) gives SDPA's
+    gradients, also where the kernel cannot run (head dim 320, float64, seq_q != seq_k, a v
+    head dim of its own)."""
+    monkeypatch.setenv("PIPEC_ATTENTION", "sdpa")
+    torch.manual_seed(0)
+    q = torch.randn(q_shape, dtype=dtype, device=DEVICE)
+    k = torch.randn(kv_shape, dtype=dtype, device=DEVICE)
+    v = torch.randn(*kv_shape[:3], v_dim, dtype=dtype, device=DEVICE)
+    do = torch.randn(*q_shape[:3], v_dim, dtype=dtype, device=DEVICE)
+    got = out_and_grads(attention, q, k, v, do, is_causal)
+    want = out_and_grads(reference, *(t.double() for t in (q, k, v, do)), is_causal)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.dtype == dtype and a.shape == b.shape, name
+        tol = TOL.get(dtype, 1e-12)
+        assert rel(a, b) <= tol, f"{name}: relative error {rel(a, b):.2e} > {tol:.0e}"
 
 
 def qkv(q_shape, kv_shape=None, dtype=torch.float32, kv_device="cpu", v_dim=None):

@@ -1,12 +1,13 @@
-"""Capture: the examples trace with attention as one node; what torch.fx cannot trace goes
-through torch.export; models neither can capture get one-line errors."""
+"""Capture: torch.export first, torch.fx when export fails; the examples' attention is one node
+either way; models neither can capture get one-line errors, a custom autograd.Function too."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipec.frontend import FrontendError, ModelSpec, load_factory, split_model
+from pipec.frontend import FrontendError, ModelSpec, build_model_plan, load_factory, split_model
 from pipec.frontend.trace import export, trace
 from runtime.kernels import attention
 
@@ -96,18 +97,35 @@ def test_concrete_args_fix_a_flag_branch():
     assert torch.equal(gm(x), spec.model(x, double=True))
 
 
+@pytest.mark.parametrize("example", ["gpt.py:tiny", "gpt.py:tiny_tied", "llama.py:tiny"])
+def test_examples_are_exported_with_attention_as_one_op(example):
+    """The default capture is torch.export; the attention op stays one node per block, and
+    the stages keep the model's parameter names."""
+    spec = f"{ROOT}/examples/{example}"
+    assert build_model_plan(spec, 2, "uniform", progress=False).capture == "export"
+    stages = split_model(spec, 2, "uniform")
+    ops = [n.target for st in stages for n in st.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.pipec.attention.default) == 8
+    assert not [op for op in ops if "scaled_dot_product" in str(op)]
+    names = {n for st in stages for n, _ in st.named_parameters(remove_duplicate=False)}
+    model = load_factory(spec).model
+    assert names == {n for n, _ in model.named_parameters(remove_duplicate=False)}
+
+
 @pytest.mark.parametrize("factory", ["assert_on_shape", "mask_buffer_slice"])
 def test_what_fx_cannot_trace_goes_through_export(factory):
     spec = load_factory(f"{BROKEN}:{factory}")
-    stages = split_model(spec, 2, "uniform")  # capture "auto": fx fails, export takes it
+    stages = split_model(spec, 2, "uniform")  # capture "auto": export, which takes it
     x = spec.example_inputs
     torch.testing.assert_close(stages[1](stages[0](*x)), spec.model(*x), rtol=0, atol=0)
 
 
-def test_a_data_dependent_branch_is_refused_in_one_line_by_export_too():
-    spec = load_factory(f"{BROKEN}:data_dependent_if")
+@pytest.mark.parametrize("capture", ["auto", "export"])
+def test_a_data_dependent_branch_is_refused_in_one_line_by_export_too(capture):
+    """Neither capture takes it; "auto" reports export's error (fx's is tested above)."""
+    spec = replace(load_factory(f"{BROKEN}:data_dependent_if"), capture=capture)
     with pytest.raises(FrontendError) as e:
-        export(spec)
+        split_model(spec, 2, "uniform")
     message = str(e.value)
     assert "\n" not in message
     assert message.startswith("cannot export module 'blocks.1' (DataDependentIf)")
@@ -124,3 +142,34 @@ def test_export_returns_the_models_output_structure():
     assert isinstance(out, CausalLMOutputWithPast)
     torch.testing.assert_close(out.logits, spec.model(*spec.example_inputs).logits)
     assert not any(n.op == "call_module" for n in gm.graph.nodes)  # guards dropped
+
+
+@pytest.mark.parametrize("capture", ["auto", "export", "fx"])
+def test_a_custom_autograd_function_is_refused_in_one_line(capture):
+    """A captured graph keeps a Function's forward and loses its backward: refused, naming
+    the module, the line that applies it and the fixes."""
+    spec = replace(load_factory(f"{BROKEN}:custom_function"), capture=capture)
+    with pytest.raises(FrontendError) as e:
+        split_model(spec, 2, "uniform")
+    message = str(e.value)
+    how = "trace" if capture == "fx" else "export"
+    assert "\n" not in message
+    assert message.startswith(f"cannot {how} module 'blocks.1' (CustomFunction)")
+    assert f"{BROKEN}:{FAILING_LINES[3]}: `return ScaleGrad.apply(self.lin(x))" in message
+    assert "applies the custom autograd.Function ScaleGrad, whose backward" in message
+    assert "make it a torch.library.custom_op with register_autograd" in message
+
+
+def test_a_wrapped_autograd_function_is_captured_by_fx_with_its_backward():
+    """Export refuses it; torch.fx records the wrapped call, so the Function's own backward
+    (a doubled gradient) runs in the stage."""
+    spec = load_factory(f"{BROKEN}:wrapped_function")
+    assert build_model_plan(spec, 2, "uniform", progress=False).capture == "fx"
+    stages = split_model(spec, 2, "uniform")
+    x = spec.example_inputs[0]
+    stages[1](stages[0](x)).sum().backward()
+    got = {n: p.grad.clone() for st in stages for n, p in st.named_parameters()}
+    spec.model.zero_grad()
+    spec.model(x).sum().backward()
+    for name, p in spec.model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=0, atol=0)

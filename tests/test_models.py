@@ -6,6 +6,8 @@ parameter's gradient, by its name in the model, equals a single-process `loss.ba
 
 from __future__ import annotations
 
+import re
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import torch
 
 from pipec.cli import main as pipec_main
 from pipec.frontend import ModelSpec, build_model_plan, load_factory, split_model
+from runtime.torchrun import torchrun
 from tests.runtime_launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +59,24 @@ def test_one_step_gives_the_single_process_gradients(launched, model, schedule):
     plan = cases[case][0].plan["model"]
     if schedule == "zb-h1":  # B and W split: the products' weight gradients wait for W
         assert all(s["flops"]["W"] > 0 for s in plan["stages"])
+
+
+@pytest.mark.parametrize(
+    "model, schedule, n_stages", [("hf-llama", "zb-h1", 2), ("hf-gpt2", "v-half", 4)]
+)
+def test_launch_check_grads_passes_on_hugging_face_builds(tmp_path, model, schedule, n_stages):
+    """What a user runs: `launch.py --check-grads` of a build, one torchrun launch each.
+    Llama (GQA) with the B/W split; GPT-2 in a V (its tied embedding and head on one rank)."""
+    out = tmp_path / "build"
+    pipec_main(
+        ["compile", MODELS[model], "-s", schedule, "-p", str(P), "-m", str(M), "-o", str(out)]
+    )
+    cmd, env = torchrun(out / "launch.py", P, "--threads", "1", "--check-grads")
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    stages = re.findall(r"stage +(\d+) \(rank \d\): \d+ tensors, max \|diff\| \S+ +ok", run.stdout)
+    assert sorted(map(int, stages)) == list(range(n_stages)), run.stdout
+    assert "check-grads: ok, every stage matches" in run.stdout
 
 
 def test_hf_gpt2_ties_the_embedding_and_head_across_the_cut():

@@ -94,3 +94,45 @@ def raises() -> ModelSpec:
 
 
 NOT_CALLABLE = 3
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward, doubled gradient: a backward that a captured graph would lose."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[no-untyped-def]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[no-untyped-def]
+        return 2 * grad
+
+
+class CustomFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ScaleGrad.apply(self.lin(x))  # FAILS
+
+
+def scale_grad(x: Tensor) -> Tensor:
+    return ScaleGrad.apply(x)
+
+
+# torch.fx records calls of scale_grad as one node: the Function runs, backward and all.
+torch.fx.wrap("scale_grad")
+
+
+class WrappedFunction(CustomFunction):
+    def forward(self, x: Tensor) -> Tensor:
+        return scale_grad(self.lin(x))
+
+
+def custom_function() -> ModelSpec:
+    return _spec(CustomFunction)
+
+
+def wrapped_function() -> ModelSpec:
+    return _spec(WrappedFunction)
