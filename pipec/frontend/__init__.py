@@ -1,4 +1,4 @@
-"""The pipec frontend: model factories, capture (torch.fx or torch.export), stages, stage facts.
+"""The pipec frontend: model factories, capture (torch.export or torch.fx), stages, stage facts.
 
 The compiler calls `build_model_plan`; the runtime calls `build_stages`; `split_model` returns
 the stage modules for tests and tools. See docs/models.md.

@@ -48,7 +48,7 @@ class ModelSpec:
         for Python control flow on flags such as `if use_cache:`.
     leaf_modules: module types torch.fx records as one opaque call instead of tracing into
         (the fx capture only; torch.export always traces through).
-    capture: "auto" (torch.fx when it sees every block, else torch.export), "export" or "fx".
+    capture: "auto" (torch.export, or torch.fx when export fails), "export" or "fx".
     split_points: qualified names of the blocks where stages 1, 2, … begin (e.g.
         ("layers.4", "layers.8")), instead of an automatic partition.
     data: the training data, or None for synthetic micro-batches shaped like the example. Either

@@ -107,16 +107,15 @@ def _read_tied_parameters_by_owner(gm: torch.fx.GraphModule) -> None:
     entry) knows it by, so every stage keeps the name its layer has in the model.
     """
     params = dict(gm.named_parameters(remove_duplicate=False))
+    names: dict[int, list[str]] = {}
+    for name, p in params.items():
+        names.setdefault(id(p), []).append(name)
     for attr in [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in params]:
-        param = params[str(attr.target)]
-        for user in list(attr.users):
+        aliases = names[id(params[str(attr.target)])]
+        for user in list(attr.users) if len(aliases) > 1 else []:
             stack = list((user.meta.get("nn_module_stack") or {}).values())
             owner = stack[-1][0] if stack else ""
-            own = [
-                k
-                for k, p in params.items()
-                if p is param and k.startswith(owner + ".") and "." not in k[len(owner) + 1 :]
-            ]
+            own = [k for k in aliases if k.rpartition(".")[0] == owner]
             if owner and own and own[0] != attr.target:
                 with gm.graph.inserting_before(user):
                     renamed = gm.graph.get_attr(own[0])
