@@ -93,7 +93,8 @@ def _backend(q: Tensor) -> str:
 
 
 def _kernel_runs(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether the op runs these inputs on the kernel: selected, and taken."""
+    """Whether the op runs these inputs on the kernel: selected, and taken (what the op's
+    shapes for fake tensors need to know: the kernel also returns its log-sum-exp)."""
     return _backend(q) == "triton" and flash.supports(q, k, v) is None
 
 
@@ -125,10 +126,11 @@ def _attention(
     q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None
 ) -> tuple[Tensor, Tensor]:
     """(output, log-sum-exp): the kernel's, or SDPA's output and an empty tensor."""
-    if _kernel_runs(q, k, v):
-        return flash.forward(q, k, v, is_causal, _scale(q, scale))
     if _backend(q) == "triton":
-        _notice(str(flash.supports(q, k, v)))
+        reason = flash.supports(q, k, v)
+        if reason is None:
+            return flash.forward(q, k, v, is_causal, _scale(q, scale))
+        _notice(reason)
     gqa = k.shape[1] != q.shape[1]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
     return out, q.new_empty(0, dtype=torch.float32)
@@ -138,6 +140,8 @@ def _attention(
 def _(
     q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None
 ) -> tuple[Tensor, Tensor]:
+    # The kernel's output is contiguous; SDPA's follows its inputs' layout, which nothing
+    # depends on where a captured graph runs eagerly.
     lse_shape = q.shape[:3] if _kernel_runs(q, k, v) else (0,)
     return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -160,16 +164,7 @@ def _attention_backward(
 
 
 @_attention_backward.register_fake
-def _(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
-    lse: Tensor,
-    is_causal: bool,
-    scale: float | None,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _(do: Tensor, q: Tensor, k: Tensor, v: Tensor, *rest: object) -> tuple[Tensor, Tensor, Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -178,7 +173,8 @@ def _sdpa_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """SDPA's gradients, in fp32 or wider: P = softmax(scale·QKᵀ) recomputed, then
     dV = PᵀdO, dS = P∘(dO Vᵀ − rowsum(dO∘O)), dQ = scale·dS K, dK = scale·dSᵀQ, with a kv
-    head's dK and dV summed over its group of q heads. Causal is SDPA's top-left mask."""
+    head's dK and dV summed over its group of q heads. Causal is SDPA's top-left mask. Like
+    SDPA's math backend, it holds the (seq_q, seq_k) scores of every head while it runs."""
     group = q.shape[1] // k.shape[1]
     wide = torch.promote_types(q.dtype, torch.float32)
     do_, q_, o_ = do.to(wide), q.to(wide), o.to(wide)
