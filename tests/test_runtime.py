@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT, GPT_TIED, LLAMA = (
     f"{ROOT}/examples/{f}" for f in ("gpt.py:tiny", "gpt.py:tiny_tied", "llama.py:tiny")
 )
+GPT_FX = f"{ROOT}/tests/frontend_models/fx.py:gpt_tiny"  # the same GPT, captured by torch.fx
 P, M = 4, 8
 family("1f1b")  # registers the built-in families
 FAMILIES = sorted(SCHEDULES)
@@ -76,6 +77,7 @@ def build_cases() -> dict[str, tuple[CompileResult, dict]]:
     cases = {f"gpt/{f}": (compile_model(GPT, f, P, M), grads) for f in FAMILIES}
     cases |= {f"llama/{f}": (compile_model(LLAMA, f, P, M), grads) for f in LLAMA_FAMILIES}
     cases["gpt-tied/1f1b"] = (compile_model(GPT_TIED, "1f1b", P, M), grads)
+    cases["gpt-fx/zb-h1"] = (compile_model(GPT_FX, "zb-h1", P, M), grads)
     cases["gpt/1f1b-dp2"] = (compile_model(GPT, "1f1b", 2, M // 2, dp=2), grads)
     cases |= {
         f"gpt/{f}-evict": (compile_model(GPT, f, P, M, evict=True), grads) for f in EVICT_FAMILIES
@@ -104,7 +106,7 @@ def grads_cases() -> list[str]:
         [f"gpt/{f}" for f in FAMILIES]
         + [f"llama/{f}" for f in LLAMA_FAMILIES]
         + [f"gpt/{f}-evict" for f in EVICT_FAMILIES]
-        + ["gpt-tied/1f1b", "gpt/1f1b-dp2", "gpt/replicas"]
+        + ["gpt-tied/1f1b", "gpt-fx/zb-h1", "gpt/1f1b-dp2", "gpt/replicas"]
     )
 
 
@@ -117,6 +119,12 @@ def test_gradients_equal_single_process_reference(launched, case):
     checked = {n for res in results for n in res[case]["names"]}
     spec = GPT_TIED if "tied" in case else LLAMA if "llama" in case else GPT
     assert checked == set(model_parameter_names(spec))
+
+
+def test_the_default_capture_is_export_and_fx_stays_an_option(launched):
+    cases, _, _, _ = launched
+    assert cases["gpt/1f1b"][0].plan["model"]["capture"] == "export"
+    assert cases["gpt-fx/zb-h1"][0].plan["model"]["capture"] == "fx"
 
 
 def test_loss_falls_like_the_single_process_run(launched):
