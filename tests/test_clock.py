@@ -59,7 +59,7 @@ def run_step(device: str, stream: FakeStream, n: int = 3):
         live=0,
         device=torch.device(device),
         meter=SimpleNamespace(start_step=lambda state: None, read=lambda: 0, step_peak=max),
-        parameters=lambda: [],
+        parameters=list,
         optimizer=None,
     )
     watchdog = SimpleNamespace(enter=lambda k, t: None, leave=lambda: None)
