@@ -67,14 +67,8 @@ class CostModel:
         (`Layout.stash_share`); costs already per chunk op are returned as they are."""
         if self.per == "chunk":
             return self
-        return replace(
-            self,
-            F=tuple(x * share for x in self.F),
-            B=tuple(x * share for x in self.B),
-            W=tuple(x * share for x in self.W),
-            allreduce=self.allreduce * share,
-            per="chunk",
-        )
+        parts = {kind: tuple(x * share for x in getattr(self, kind)) for kind in "FBW"}
+        return replace(self, **parts, allreduce=self.allreduce * share, per="chunk")
 
     def per_chunk(self, kind: str, chunk: int) -> float:
         """How long one op of `kind` of `chunk` runs (of costs per chunk op: `of_chunks`)."""
