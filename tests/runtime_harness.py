@@ -170,7 +170,7 @@ def watch_comm(comm: Comm) -> dict[str, list[int]]:
 
     def counted_flush() -> None:
         if comm._batch:
-            seen["batches"].append(len({id(works) for _, works in comm._batch}))
+            seen["batches"].append(len({id(entry[-1]) for entry in comm._batch}))
         flush()
 
     comm.flush = counted_flush
