@@ -189,13 +189,13 @@ def preflight(build_dir: Path, args: argparse.Namespace, world: int, local_world
     """The checks whose verdict is the same on every rank; PipecError names the defect."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.share_gpu:
-        if gpus == 0:
-            raise PipecError(
-                "--share-gpu needs CUDA, and torch sees no GPU here; drop it to run on CPU"
-            )
         if args.backend == "nccl":
             raise PipecError(
                 "--share-gpu runs on gloo: NCCL refuses two ranks on one GPU; drop --backend nccl"
+            )
+        if gpus == 0:
+            raise PipecError(
+                "--share-gpu needs CUDA, and torch sees no GPU here; drop it to run on CPU"
             )
     elif args.backend == "nccl":
         if gpus == 0:
