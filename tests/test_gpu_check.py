@@ -131,7 +131,8 @@ def test_the_summary_quotes_the_rows_the_benches_print():
 
 
 def test_the_runtime_cuda_step_selects_the_shared_gpu_runtime_tests():
-    """tests/test_runtime_cuda.py is marked gpu and lies where the step's selection looks."""
+    """tests/test_runtime_cuda.py is marked gpu and lies where the step's selection looks: ranks
+    sharing the GPU, and NCCL with a GPU per rank (run where there are two GPUs or more)."""
     step = next(s for s in gpu_check.steps(ROOT) if s.name == "runtime-cuda")
     assert "tests" in step.argv and "--ignore=tests/test_runtime_cuda.py" not in step.argv
     proc = subprocess.run(
@@ -141,7 +142,8 @@ def test_the_runtime_cuda_step_selects_the_shared_gpu_runtime_tests():
     )  # fmt: skip
     collected = [line for line in proc.stdout.splitlines() if "::" in line]
     schedules = ["1f1b", "zb-v", "v-half", "bitpipe", "1f1b --evict"]
-    assert collected == [
-        f"tests/test_runtime_cuda.py::test_gradients_of_ranks_sharing_a_gpu_equal_the_reference[{s}]"
-        for s in schedules
+    tests = [
+        "test_gradients_of_ranks_sharing_a_gpu_equal_the_reference",
+        "test_on_nccl_with_a_gpu_per_rank_the_gradients_equal_the_reference",
     ]
+    assert collected == [f"tests/test_runtime_cuda.py::{t}[{s}]" for t in tests for s in schedules]
