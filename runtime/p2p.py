@@ -26,7 +26,7 @@ How messages travel is the `Transport`:
   entry (the interpreter calls `flush` at each batch's end), so all of them share the group's
   communicator and its order, and a send and a receive of one batch progress together. `poll`
   asks each work whether it completed. On CUDA messages are issued from their own stream,
-  ordered against compute by events (runtime/streams.py). The same protocol runs over gloo
+  ordered against compute by events (runtime/transport.py). The same protocol runs over gloo
   (no tags, so matched in order too), which is how the CPU tests exercise it.
 - Staged (gloo with tensors on a GPU, which gloo cannot carry): a send copies its tensors to
   host buffers (page-locked, asynchronously; its lane waits for the copy) and keeps the device
@@ -42,7 +42,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -52,7 +51,7 @@ from torch import Tensor
 
 from passes.memory_bytes import post_ahead
 from pipec.ir import Instr
-from runtime.streams import CommStream
+from runtime.transport import CommStream, Staging, Transport
 
 if TYPE_CHECKING:
     from runtime.rank import Rank
@@ -66,51 +65,6 @@ class Kind(enum.IntEnum):
     GRAD = 1
     STASH = 2
     STASH_BACK = 3
-
-
-@dataclass(frozen=True)
-class Transport:
-    """How a rank's messages travel (module docstring): `protocol` "gloo" or "nccl" (also the
-    receive policy's name in `POST_AHEAD`); `staged` through host buffers, page-locked when
-    `pinned`. `for_run` picks it; tests force one."""
-
-    protocol: str = "gloo"
-    staged: bool = False
-    pinned: bool = False
-
-    @staticmethod
-    def for_run(backend: str, device: torch.device) -> Transport:
-        if backend == "nccl":
-            return Transport("nccl")
-        cuda = device.type == "cuda"  # several ranks sharing a GPU over gloo
-        return Transport("gloo", staged=cuda, pinned=cuda)
-
-
-class Staging:
-    """Device tensors through host memory. Page-locked buffers make both copies asynchronous:
-    a send's lane waits for its copy's event; a received buffer's copy is queued on the compute
-    stream ahead of its consumer (the host allocator keeps the page-locked buffer until then)."""
-
-    def __init__(self, pinned: bool) -> None:
-        self.pinned = pinned
-
-    def host(self, like: Sequence[Tensor]) -> list[Tensor]:
-        return [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pinned) for t in like]
-
-    def out(self, tensors: Sequence[Tensor]) -> tuple[list[Tensor], torch.cuda.Event | None]:
-        """Host copies of `tensors`, and the event that says they are written (None: already)."""
-        host = self.host(tensors)
-        for h, t in zip(host, tensors):
-            h.copy_(t, non_blocking=self.pinned)
-        if not self.pinned:
-            return host, None
-        written = torch.cuda.Event()
-        written.record()
-        return host, written
-
-    def into(self, buffers: Sequence[Tensor], host: Sequence[Tensor]) -> None:
-        for b, h in zip(buffers, host):
-            b.copy_(h, non_blocking=self.pinned)
 
 
 class Send:
@@ -247,7 +201,7 @@ class Comm:
 
     def take(self, kind: Kind, stage: int, mb: int) -> tuple[Tensor, ...]:
         """Wait for a posted receive and return its buffers (this rank's from now on). On CUDA
-        with NCCL the compute stream waits, not the host (runtime/streams.py)."""
+        with NCCL the compute stream waits, not the host (runtime/transport.py)."""
         try:
             entry = self.posted.pop((kind, stage, mb))
         except KeyError:

@@ -25,8 +25,9 @@ from pipec.ir import Instr, Op, PipecError
 from runtime.bwsplit import split_backward
 from runtime.data import MicroBatch, Stream, Synthetic, open_source
 from runtime.meter import Meter
-from runtime.p2p import Comm, Transport
+from runtime.p2p import Comm
 from runtime.stash import Stash, storage_key
+from runtime.transport import Transport
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 

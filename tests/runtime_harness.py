@@ -34,8 +34,9 @@ from runtime.faults import Watchdog
 from runtime.gradcheck import GradCapture, compare, reference_grads
 from runtime.interpreter import HANDLERS
 from runtime.main import train, write_measurements
-from runtime.p2p import Comm, Kind, Transport
+from runtime.p2p import Comm, Kind
 from runtime.rank import Rank
+from runtime.transport import Transport
 
 TIMEOUT_S = 60.0
 CPU = torch.device("cpu")

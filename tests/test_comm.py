@@ -18,8 +18,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from pipec.ir import Op
 from pipec.model import compile_model
 from runtime import offload, p2p
-from runtime.p2p import Comm, Kind, Transport
-from runtime.streams import CommStream
+from runtime.p2p import Comm, Kind
+from runtime.transport import CommStream, Transport
 
 ROOT = Path(__file__).resolve().parents[1]
 NCCL = Transport("nccl")
