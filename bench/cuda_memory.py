@@ -16,17 +16,14 @@ the GPU. Without CUDA it says it skipped and exits 0.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # before bench/ itself, whose runtime.py would shadow the package
 
-from gpu_pipeline import MODEL, compile_on_gpu, train_shared  # bench/gpu_pipeline.py
+from gpu_pipeline import compile_on_gpu, shared_gpu_args, train_shared  # bench/gpu_pipeline.py
 
 from runtime.measure import predicted_peaks
 
@@ -35,19 +32,9 @@ MIB = 2**20
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schedules", default=",".join(SCHEDULES))
-    ap.add_argument("-p", type=int, default=4, help="ranks sharing the GPU (default 4)")
-    ap.add_argument("-m", type=int, default=8, help="micro-batches (default 8)")
-    ap.add_argument("--steps", type=int, default=4)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("cuda_memory: skipped: needs a CUDA GPU and torch sees none; nothing measured")
+    args = shared_gpu_args("cuda_memory", __doc__, SCHEDULES, 4)
+    if args is None:
         return 0
-    print(
-        f"cuda_memory: {torch.cuda.get_device_name()}, {args.p} ranks sharing it (--share-gpu), "
-        f"{MODEL.split('/')[-1]}, m={args.m}, real peak of steps 2..{args.steps}"
-    )
     ratios = []
     with tempfile.TemporaryDirectory(prefix="cuda_memory_") as tmp:
         for schedule in args.schedules.split(","):

@@ -70,20 +70,31 @@ def train_shared(build: Path, p: int, steps: int) -> dict:
     return json.loads((build / "measured/stats.json").read_text())
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schedules", default=",".join(SCHEDULES))
+def shared_gpu_args(
+    name: str, doc: str, schedules: tuple[str, ...], steps: int
+) -> argparse.Namespace | None:
+    """The command line of a shared-GPU bench; None (having said so) without CUDA. With CUDA
+    the first line printed says what runs where."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--schedules", default=",".join(schedules))
     ap.add_argument("-p", type=int, default=4, help="ranks sharing the GPU (default 4)")
     ap.add_argument("-m", type=int, default=8, help="micro-batches (default 8)")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=steps)
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("gpu_pipeline: skipped: needs a CUDA GPU and torch sees none; nothing measured")
-        return 0
+        print(f"{name}: skipped: needs a CUDA GPU and torch sees none; nothing measured")
+        return None
     print(
-        f"gpu_pipeline: {torch.cuda.get_device_name()}, {args.p} ranks sharing it (--share-gpu),"
-        f" {MODEL.split('/')[-1]}, m={args.m}, {args.steps} steps (median of steps 2..)"
+        f"{name}: {torch.cuda.get_device_name()}, {args.p} ranks sharing it (--share-gpu), "
+        f"{MODEL.split('/')[-1]}, m={args.m}, {args.steps} steps, figures of steps 2.."
     )
+    return args
+
+
+def main() -> int:
+    args = shared_gpu_args("gpu_pipeline", __doc__, SCHEDULES, 20)
+    if args is None:
+        return 0
     failed = False
     with tempfile.TemporaryDirectory(prefix="gpu_pipeline_") as tmp:
         for schedule in args.schedules.split(","):

@@ -104,6 +104,9 @@ def test_the_gpu_benches_without_cuda_say_they_skipped(script):
     )
 
 
+HEADER = "NVIDIA H100, 4 ranks sharing it (--share-gpu), gpt.py:tiny, m=8"
+
+
 def test_the_summary_quotes_the_rows_the_benches_print():
     steps = {s.name: s for s in gpu_check.steps(ROOT)}
     pipeline, memory = load_bench("gpu_pipeline"), load_bench("cuda_memory")
@@ -114,11 +117,11 @@ def test_the_summary_quotes_the_rows_the_benches_print():
     }
     lines = {
         "pipeline-cuda": [
-            "gpu_pipeline: NVIDIA H100, 4 ranks sharing it (--share-gpu), gpt.py:tiny, m=8",
+            f"gpu_pipeline: {HEADER}, 20 steps, figures of steps 2..",
             pipeline.row("1f1b --evict", stats, "ok"),
         ],
         "cuda-memory": [
-            "cuda_memory: NVIDIA H100, 4 ranks sharing it (--share-gpu), gpt.py:tiny, m=8",
+            f"cuda_memory: {HEADER}, 4 steps, figures of steps 2..",
             memory.row("v-half", 3, 4 * 2**20, 4 * 2**20 - 2**16),
             "real/predicted peak over every rank: 0.990 to 1.020",
         ],
