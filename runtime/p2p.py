@@ -285,11 +285,8 @@ class Comm:
         self._raise_error()
         if self._lanes is None:
             for out in self.in_flight:
-                if (
-                    out.completed_at is None
-                    and out.works
-                    and all(w.is_completed() for w in out.works)
-                ):
+                issued = out.works or not out.wire  # a send in the open batch has no work yet
+                if out.completed_at is None and issued and all(w.is_completed() for w in out.works):
                     out.finish(self.clock)
         with self._lock:
             if any(out.completed_at is not None for out in self.in_flight):
