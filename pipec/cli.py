@@ -553,8 +553,8 @@ def _memory_rows(build: Build, sim: SimResult, stats: dict | None) -> list[dict]
     the run's real peaks when there was one (runtime/measure.py)."""
     from runtime.measure import memory_rows, predicted_peaks  # torch: only when asked
 
-    device = stats.get("device", "cpu") if stats is not None else "cpu"
-    peaks = predicted_peaks(build.plan, build.compiled, build.costs, sim, device)
+    device, backend = (stats.get("device", "cpu"), stats.get("backend")) if stats else ("cpu", None)
+    peaks = predicted_peaks(build.plan, build.compiled, build.costs, sim, device, backend)
     return memory_rows(peaks, stats)
 
 
