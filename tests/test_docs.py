@@ -1,0 +1,228 @@
+"""The docs still describe the code: every `pipec` command fenced in README.md and docs/*.md
+runs, every transcript prints what pipec prints today, and every relative link and every file
+path the docs name exists.
+
+How the docs mark their commands:
+
+- A fenced line that starts with `pipec `, `python -m pipec ` or `$ ` followed by one of those
+  is a command (a trailing backslash continues it). It runs in-process through
+  `pipec.cli.main(argv)`, in a temporary directory per document (with `examples/` linked in,
+  so `examples/gpt.py:tiny` resolves), one command after another in document order: a build
+  written by one command is there for the next, and a relative `--out` never leaves that
+  directory. Absolute paths are refused (a reader's machine has no such directory).
+- A comment at the end of a command line sets what it should do: `# exit 2 ...` for an example
+  of an error (it must fail with that code), `# slow ...` for a command too slow for the suite
+  (not run; its subcommand must still exist). Any other comment is prose.
+- In a block whose commands start with `$ `, the lines after a command, up to the next `$ `
+  line, are its output (stdout and stderr together) and must match what it prints now; a line
+  `...` stands for any number of lines.
+- A block fenced as `text` is output or a synopsis, never a command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pipec.cli import cli, main
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
+PROMPT = re.compile(r"^\$\s+")
+ENV = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)+")  # PYTHONPATH=. pipec ... runs as pipec ...
+COMMAND = re.compile(r"^(?:\.venv/bin/)?(?:pipec|python3? -m pipec)(?:\s|$)")
+MARKER = re.compile(r"\s#\s*(exit (\d+)|slow)\b")
+ELLIPSIS = {"...", "…"}
+
+
+@dataclass
+class Command:
+    """One fenced command: where it is, its arguments, what it must do and print."""
+
+    line: int
+    text: str
+    argv: list[str]
+    exit_code: int | None  # None: too slow for the suite, not run
+    output: list[str] | None  # a transcript's expected lines; None: output not checked
+
+
+def fenced_blocks(text: str) -> list[tuple[str, int, list[str]]]:
+    """(info string, first line number, lines) of every fenced code block."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence, info = m.groups()
+        body, start, i = [], i + 2, i + 1
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        blocks.append((info, start, body))
+        i += 1
+    return blocks
+
+
+def _command(line: int, text: str) -> Command | None:
+    """The command on a (joined) fenced line, or None when the line is not one."""
+    text = ENV.sub("", PROMPT.sub("", text.strip()))
+    if not COMMAND.match(text):
+        return None
+    marker = MARKER.search(text)
+    exit_code = 0 if marker is None else None if marker[1] == "slow" else int(marker[2])
+    argv = shlex.split(text, comments=True)
+    argv = argv[3:] if argv[0].startswith("python") else argv[1:]
+    return Command(line, text, argv, exit_code, None)
+
+
+def commands(text: str) -> list[Command]:
+    """Every command fenced in one document, in order, with its transcript if it has one."""
+    found = []
+    for info, start, body in fenced_blocks(text):
+        if info == "text":
+            continue
+        transcript = any(PROMPT.match(b) for b in body)
+        current, i = None, 0
+        while i < len(body):
+            line, text = start + i, body[i]
+            while text.endswith("\\") and i + 1 < len(body):
+                i += 1
+                text = text[:-1] + " " + body[i].strip()
+            i += 1
+            if transcript and not PROMPT.match(text):
+                if current is not None and current.output is not None:
+                    current.output.append(text)
+                continue
+            current = _command(line, text)
+            if current is not None:
+                current.output = [] if transcript else None
+                found.append(current)
+    return found
+
+
+def _matches(expected: list[str], actual: str) -> bool:
+    """Whether the printed text is the transcript's, `...` standing for any lines."""
+    while expected and not expected[-1].strip():
+        expected = expected[:-1]
+    pattern = "".join(
+        r"(?:[^\n]*\n)*?" if e.strip() in ELLIPSIS else re.escape(e.rstrip()) + r"\n"
+        for e in expected
+    )
+    text = "".join(line.rstrip() + "\n" for line in actual.splitlines())
+    return re.fullmatch(pattern, text) is not None
+
+
+def run(argv: list[str]) -> tuple[int, str]:
+    """`pipec ARGV` in this process: its exit code and everything it printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    return code, out.getvalue()
+
+
+def _problem(cmd: Command) -> str | None:
+    """Why a command's run does not match the docs, or None."""
+    if any(a.startswith("/") for a in cmd.argv):
+        return "an absolute path: give a path relative to the checkout"
+    if not cmd.argv or (cmd.argv[0] not in cli.commands and not cmd.argv[0].startswith("-")):
+        return f"'{cmd.argv[:1]}' is not a pipec command"
+    if cmd.exit_code is None:
+        return None
+    code, printed = run(cmd.argv)
+    if code != cmd.exit_code:
+        return f"exit {code}, the docs expect {cmd.exit_code}:\n{printed[-2000:]}"
+    if cmd.output is not None and not _matches(cmd.output, printed):
+        return "prints\n" + printed[-3000:] + "where the docs show\n" + "\n".join(cmd.output)
+    return None
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_fenced_command_runs_as_the_docs_say(
+    doc: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    monkeypatch.chdir(tmp_path)
+    failures = []
+    for cmd in commands(doc.read_text()):
+        problem = _problem(cmd)
+        if problem:
+            failures.append(f"{doc.name}:{cmd.line}: {cmd.text}\n  {problem}")
+    assert not failures, "\n\n".join(failures)
+
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+INLINE = re.compile(r"`[^`\n]+`")
+NAMED_FILE = re.compile(
+    r"`(?:PYTHONPATH=\S+ )?(?:python3? )?((?:bench|tests|examples|pipec|passes|runtime|codegen)"
+    r"/[\w/.-]+\.(?:py|pipe|j2|json))"
+)
+
+
+def _prose(text: str) -> str:
+    """The document without its fenced blocks (links there are code, not links)."""
+    lines = text.splitlines()
+    inside = set()
+    for _, start, body in fenced_blocks(text):
+        inside.update(range(start - 2, start + len(body) + 1))
+    return "\n".join(line for i, line in enumerate(lines) if i not in inside)
+
+
+def slugs(path: Path) -> set[str]:
+    """GitHub's anchors of a document's headings."""
+    heads = re.findall(r"^#+\s+(.*)$", _prose(path.read_text()), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_every_relative_link_and_named_file_exists() -> None:
+    missing = []
+    for doc in DOCS:
+        prose = _prose(doc.read_text())
+        for target in LINK.findall(prose):
+            if re.match(r"[a-z]+:", target):
+                continue  # http:, https:, mailto:
+            file, _, anchor = target.partition("#")
+            path = (doc.parent / file).resolve() if file else doc
+            if not path.exists():
+                missing.append(f"{doc.relative_to(ROOT)}: link to {target}: no such file")
+            elif anchor and path.suffix == ".md" and anchor not in slugs(path):
+                missing.append(f"{doc.relative_to(ROOT)}: link to {target}: no such heading")
+        for name in NAMED_FILE.findall(doc.read_text()):
+            if not (ROOT / name).exists():
+                missing.append(f"{doc.relative_to(ROOT)}: names {name}: no such file")
+    assert not missing, "\n".join(sorted(set(missing)))
+
+
+def test_the_docs_test_reads_what_it_should() -> None:
+    """The parser itself: markers, continuations, transcripts and text blocks."""
+    doc = (
+        "```\npipec simulate -s 1f1b \\\n  -p 4 -m 8   # a comment\n"
+        "pipec simulate -s nope -p 4 -m 8   # exit 2: unknown\n"
+        "python -m pipec plan x --pp 2   # slow: minutes\ntorchrun launch.py\n```\n"
+        "```text\npipec plan examples/gpt.py:tiny: p=4\n```\n"
+        "```console\n$ pipec schedules\n1f1b  v 1\n...\n$ pipec --help\n```\n"
+    )
+    cmds = commands(doc)
+    assert [(c.argv[:2], c.exit_code) for c in cmds] == [
+        (["simulate", "-s"], 0),
+        (["simulate", "-s"], 2),
+        (["plan", "x"], None),
+        (["schedules"], 0),
+        (["--help"], 0),
+    ]
+    assert cmds[0].argv == ["simulate", "-s", "1f1b", "-p", "4", "-m", "8"]
+    assert cmds[3].output == ["1f1b  v 1", "..."]
+    assert _matches(["a", "...", "d"], "a\nb\nc\nd\n") and not _matches(["a", "d"], "a\nb\nd\n")
+    assert _problem(cmds[1]) is None and _problem(cmds[3]) is not None  # output differs
