@@ -160,7 +160,8 @@ def test_every_fenced_command_runs_as_the_docs_say(
         problem = _problem(cmd)
         if problem:
             failures.append(f"{doc.name}:{cmd.line}: {cmd.text}\n  {problem}")
-    assert not failures, "\n\n".join(failures)
+    if failures:
+        pytest.fail("\n\n".join(failures), pytrace=False)
 
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
@@ -202,7 +203,8 @@ def test_every_relative_link_and_named_file_exists() -> None:
         for name in NAMED_FILE.findall(doc.read_text()):
             if not (ROOT / name).exists():
                 missing.append(f"{doc.relative_to(ROOT)}: names {name}: no such file")
-    assert not missing, "\n".join(sorted(set(missing)))
+    if missing:
+        pytest.fail("\n".join(sorted(set(missing))), pytrace=False)
 
 
 def test_the_docs_test_reads_what_it_should() -> None:
