@@ -12,7 +12,7 @@ How the docs mark their commands:
   directory. Absolute paths are refused (a reader's machine has no such directory).
 - A comment at the end of a command line sets what it should do: `# exit 2 ...` for an example
   of an error (it must fail with that code), `# slow ...` for a command too slow for the suite
-  (not run; its subcommand must still exist). Any other comment is prose.
+  (not run; its options must still parse). Any other comment is prose.
 - In a block whose commands start with `$ `, the lines after a command, up to the next `$ `
   line, are its output (stdout and stderr together) and must match what it prints now; a line
   `...` stands for any number of lines.
@@ -28,7 +28,9 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
 import pytest
+import torch
 
 from pipec.cli import cli, main
 
@@ -65,7 +67,7 @@ def fenced_blocks(text: str) -> list[tuple[str, int, list[str]]]:
         indent, fence, info = m.groups()
         body, start, i = [], i + 2, i + 1
         while i < len(lines) and not lines[i].strip().startswith(fence):
-            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
+            body.append(lines[i].removeprefix(indent))
             i += 1
         blocks.append((info, start, body))
         i += 1
@@ -122,15 +124,28 @@ def _matches(expected: list[str], actual: str) -> bool:
 
 
 def run(argv: list[str]) -> tuple[int, str]:
-    """`pipec ARGV` in this process: its exit code and everything it printed."""
-    out = io.StringIO()
+    """`pipec ARGV` in this process: its exit code and everything it printed. torch's thread
+    count (`pipec plan --threads`) is restored, so later tests in the session keep theirs."""
+    out, threads = io.StringIO(), torch.get_num_threads()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             main(argv)
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        finally:
+            torch.set_num_threads(threads)
     return code, out.getvalue()
+
+
+def parses(argv: list[str]) -> str | None:
+    """Why click refuses ARGV's options, or None: what a command too slow to run is held to."""
+    command = cli.commands[argv[0]]
+    try:
+        with command.make_context(argv[0], argv[1:]):
+            return None
+    except click.ClickException as e:
+        return e.format_message()
 
 
 def _problem(cmd: Command) -> str | None:
@@ -140,7 +155,7 @@ def _problem(cmd: Command) -> str | None:
     if not cmd.argv or (cmd.argv[0] not in cli.commands and not cmd.argv[0].startswith("-")):
         return f"'{cmd.argv[:1]}' is not a pipec command"
     if cmd.exit_code is None:
-        return None
+        return parses(cmd.argv)
     code, printed = run(cmd.argv)
     if code != cmd.exit_code:
         return f"exit {code}, the docs expect {cmd.exit_code}:\n{printed[-2000:]}"
@@ -165,7 +180,6 @@ def test_every_fenced_command_runs_as_the_docs_say(
 
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
-INLINE = re.compile(r"`[^`\n]+`")
 NAMED_FILE = re.compile(
     r"`(?:PYTHONPATH=\S+ )?(?:python3? )?((?:bench|tests|examples|pipec|passes|runtime|codegen)"
     r"/[\w/.-]+\.(?:py|pipe|j2|json))"
@@ -177,13 +191,13 @@ def _prose(text: str) -> str:
     lines = text.splitlines()
     inside = set()
     for _, start, body in fenced_blocks(text):
-        inside.update(range(start - 2, start + len(body) + 1))
+        inside.update(range(start - 2, start + len(body)))
     return "\n".join(line for i, line in enumerate(lines) if i not in inside)
 
 
 def slugs(path: Path) -> set[str]:
     """GitHub's anchors of a document's headings."""
-    heads = re.findall(r"^#+\s+(.*)$", _prose(path.read_text()), re.M)
+    heads = re.findall(r"^#+\s+(.*)$", _prose(path.read_text()), re.MULTILINE)
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
 
 
@@ -228,3 +242,5 @@ def test_the_docs_test_reads_what_it_should() -> None:
     assert cmds[3].output == ["1f1b  v 1", "..."]
     assert _matches(["a", "...", "d"], "a\nb\nc\nd\n") and not _matches(["a", "d"], "a\nb\nd\n")
     assert _problem(cmds[1]) is None and _problem(cmds[3]) is not None  # output differs
+    assert parses(["plan", "x", "--pp", "2"]) is not None  # --global-batch is required
+    assert parses(["simulate", "-s", "1f1b", "--nope"]) is not None
