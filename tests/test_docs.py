@@ -5,11 +5,12 @@ path the docs name exists.
 How the docs mark their commands:
 
 - A fenced line that starts with `pipec `, `python -m pipec ` or `$ ` followed by one of those
-  is a command (a trailing backslash continues it). It runs in-process through
-  `pipec.cli.main(argv)`, in a temporary directory per document (with `examples/` linked in,
-  so `examples/gpt.py:tiny` resolves), one command after another in document order: a build
-  written by one command is there for the next, and a relative `--out` never leaves that
-  directory. Absolute paths are refused (a reader's machine has no such directory).
+  is a command (a trailing backslash continues it). It runs through `pipec.cli.main(argv)` in
+  one worker process shared by all documents, in a temporary directory per document (with
+  `examples/` linked in, so `examples/gpt.py:tiny` resolves), one command after another in
+  document order: a build written by one command is there for the next, and a relative `--out`
+  never leaves that directory. Absolute paths are refused (a reader's machine has no such
+  directory).
 - A comment at the end of a command line sets what it should do: `# exit 2 ...` for an example
   of an error (it must fail with that code), `# slow ...` for a command too slow for the suite
   (not run; its options must still parse). Any other comment is prose.
@@ -21,18 +22,22 @@ How the docs mark their commands:
 
 from __future__ import annotations
 
-import contextlib
 import io
+import json
+import os
 import re
 import shlex
+import subprocess
+import sys
+import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import pytest
-import torch
 
-from pipec.cli import cli, main
+from pipec.cli import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -123,19 +128,85 @@ def _matches(expected: list[str], actual: str) -> bool:
     return re.fullmatch(pattern, text) is not None
 
 
-def run(argv: list[str]) -> tuple[int, str]:
-    """`pipec ARGV` in this process: its exit code and everything it printed. torch's thread
-    count (`pipec plan --threads`) is restored, so later tests in the session keep theirs."""
-    out, threads = io.StringIO(), torch.get_num_threads()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+class Worker:
+    """One process that runs every documented command through `pipec.cli.main(argv)`.
+
+    Sharing it keeps the test fast (Python and torch start once) and keeps pipec's
+    process-wide state out of the test session: a `--threads` of `pipec plan`, and stream
+    objects that modules bind when they are first imported (a default `stream=sys.stderr`
+    argument would otherwise keep writing into this test's capture after it ends).
+    """
+
+    def __init__(self) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.getenv("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+
+    def run(self, cwd: Path, argv: list[str]) -> tuple[int, str]:
+        """`pipec ARGV` run in CWD: its exit code and everything it printed."""
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(json.dumps({"cwd": str(cwd), "argv": argv}) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the docs worker died (exit {self.proc.wait()}) running {argv}")
+        answer = json.loads(reply)
+        return answer["code"], answer["printed"]
+
+    def close(self) -> None:
+        assert self.proc.stdin
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+class _Printed(io.TextIOBase):
+    """The worker's stdout and stderr for the whole process: one object that never changes,
+    writing into the current command's buffer."""
+
+    buffer_ = io.StringIO()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        return self.buffer_.write(text)
+
+
+def serve() -> None:
+    """The worker's loop: one JSON request per line in, one JSON answer per line out."""
+    from pipec.cli import main
+
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # stray writes to fd 1 must not corrupt the answers
+    printed = _Printed()
+    sys.stdout = sys.stderr = printed
+    for line in sys.stdin:
+        request = json.loads(line)
+        os.chdir(request["cwd"])
+        printed.buffer_ = io.StringIO()
         try:
-            main(argv)
+            main(request["argv"])
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        finally:
-            torch.set_num_threads(threads)
-    return code, out.getvalue()
+        except Exception:  # noqa: BLE001 - a traceback is a failure to show, not a worker crash
+            printed.write(traceback.format_exc())
+            code = 1
+        answers.write(json.dumps({"code": code, "printed": printed.buffer_.getvalue()}) + "\n")
+        answers.flush()
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[Worker]:
+    w = Worker()
+    yield w
+    w.close()
 
 
 def parses(argv: list[str]) -> str | None:
@@ -148,7 +219,7 @@ def parses(argv: list[str]) -> str | None:
         return e.format_message()
 
 
-def _problem(cmd: Command) -> str | None:
+def _problem(cmd: Command, worker: Worker, cwd: Path) -> str | None:
     """Why a command's run does not match the docs, or None."""
     if any(a.startswith("/") for a in cmd.argv):
         return "an absolute path: give a path relative to the checkout"
@@ -156,7 +227,7 @@ def _problem(cmd: Command) -> str | None:
         return f"'{cmd.argv[:1]}' is not a pipec command"
     if cmd.exit_code is None:
         return parses(cmd.argv)
-    code, printed = run(cmd.argv)
+    code, printed = worker.run(cwd, cmd.argv)
     if code != cmd.exit_code:
         return f"exit {code}, the docs expect {cmd.exit_code}:\n{printed[-2000:]}"
     if cmd.output is not None and not _matches(cmd.output, printed):
@@ -166,13 +237,12 @@ def _problem(cmd: Command) -> str | None:
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_fenced_command_runs_as_the_docs_say(
-    doc: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    doc: Path, tmp_path: Path, worker: Worker
 ) -> None:
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    monkeypatch.chdir(tmp_path)
     failures = []
     for cmd in commands(doc.read_text()):
-        problem = _problem(cmd)
+        problem = _problem(cmd, worker, tmp_path)
         if problem:
             failures.append(f"{doc.name}:{cmd.line}: {cmd.text}\n  {problem}")
     if failures:
@@ -221,7 +291,7 @@ def test_every_relative_link_and_named_file_exists() -> None:
         pytest.fail("\n".join(sorted(set(missing))), pytrace=False)
 
 
-def test_the_docs_test_reads_what_it_should() -> None:
+def test_the_docs_test_reads_what_it_should(worker: Worker, tmp_path: Path) -> None:
     """The parser itself: markers, continuations, transcripts and text blocks."""
     doc = (
         "```\npipec simulate -s 1f1b \\\n  -p 4 -m 8   # a comment\n"
@@ -241,6 +311,11 @@ def test_the_docs_test_reads_what_it_should() -> None:
     assert cmds[0].argv == ["simulate", "-s", "1f1b", "-p", "4", "-m", "8"]
     assert cmds[3].output == ["1f1b  v 1", "..."]
     assert _matches(["a", "...", "d"], "a\nb\nc\nd\n") and not _matches(["a", "d"], "a\nb\nd\n")
-    assert _problem(cmds[1]) is None and _problem(cmds[3]) is not None  # output differs
+    assert _problem(cmds[1], worker, tmp_path) is None  # exits 2, as marked
+    assert _problem(cmds[3], worker, tmp_path) is not None  # prints more than the transcript
     assert parses(["plan", "x", "--pp", "2"]) is not None  # --global-batch is required
     assert parses(["simulate", "-s", "1f1b", "--nope"]) is not None
+
+
+if __name__ == "__main__":
+    serve()
