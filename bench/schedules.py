@@ -90,11 +90,13 @@ FORMULAS: dict[str, Formula] = {
     "chimera": Formula(
         lambda p, m: (p - 2) / (2 * m + p - 2), lambda p, m: p, "(D-2)/(2N+D-2) if B=F"
     ),
+    # DeepSeek counts an F&B pair as one unit that waits for both inputs; pipec simulates the
+    # pair in turn, as its runtime runs it (each op on its own input), so it idles no more.
     "dualpipe": Formula(
-        _idle_over(lambda p: p - 2, 3), lambda p, m: p + 1, "(PP/2-1)(F&B+B-3W), PP+1"
+        _idle_over(lambda p: p - 2, 3), lambda p, m: p + 1, "(PP/2-1)(F&B+B-3W) at most, PP+1"
     ),
     "dualpipev": Formula(
-        _idle_over(lambda p: 2 * p - 2, 6), lambda p, m: p + 0.5, "PP=2p, (PP+1)/2 shares"
+        _idle_over(lambda p: 2 * p - 2, 6), lambda p, m: p + 0.5, "PP=2p at most, (PP+1)/2 sh."
     ),
 }
 

@@ -7,19 +7,27 @@ serialised with sorted keys. Nothing here chooses an order, a rank or a time.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import cache
+from itertools import chain, groupby
+from operator import itemgetter
 
 import jinja2
 
 from passes.simulate import SimResult, Slot
-from pipec.ir import Op, Program
+from passes.transfers import Transfer
+from pipec.ir import Layout, Op, Program
 from pipec.textform import TITLE, Header
 
 #: Milliseconds of cost-model time per microsecond of trace time: costs are read as ms.
 TRACE_US_PER_UNIT = 1000.0
 SVG_WIDTH = 1200.0
-ROW_HEIGHT = 22
+TOP = 30  # below the title line (and one line per note under it)
+BOX_HEIGHT = 18
+STRIP_HEIGHT = 14  # each rank's live-stash strip, under its boxes
+ROW_HEIGHT = BOX_HEIGHT + STRIP_HEIGHT + 10
 LEFT = 70
 MEMORY_COLUMN = 190  # right of the chart: each rank's peak, in stashes (and bytes with a model)
 #: Above this many ops the SVG is drawn per pixel column: boxes would be narrower than a pixel,
@@ -53,12 +61,12 @@ def dump_json(data: object) -> str:
 def chrome_trace(
     timeline: Sequence[Sequence[Slot]],
     title: str,
-    counters: Sequence[Sequence[tuple[float, float]]] = (),
+    counters: Sequence[Sequence[tuple[float, Mapping[str, float]]]] = (),
 ) -> dict:
     """A timeline as a Chrome/Perfetto trace: one thread per rank, times in ms of cost units.
 
     The simulator's timeline and the runtime's measured one print the same way; `counters`
-    (per rank: (time, live stash bytes) points) adds a memory track per rank.
+    (per rank: (time, {series: bytes}) points) adds a memory track per rank.
     """
     events: list[dict] = [
         {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": title}}
@@ -87,15 +95,15 @@ def chrome_trace(
                 }
             )
     for rank, points in enumerate(counters):
-        for t, live in points:
+        for t, series in points:
             events.append(
                 {
-                    "name": f"stash bytes rank {rank}",
+                    "name": f"memory rank {rank}",
                     "ph": "C",
                     "pid": 0,
                     "tid": rank,
                     "ts": round(t * TRACE_US_PER_UNIT, 3),
-                    "args": {"bytes": live},
+                    "args": dict(series),
                 }
             )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
@@ -123,49 +131,147 @@ def trace_json(timeline: Sequence[Sequence[Slot]], title: str) -> str:
     return f'{{"traceEvents": [{", ".join(parts)}], "displayTimeUnit": "ms"}}'
 
 
-def render_svg(sim: SimResult, title: str) -> str:
-    """A Gantt chart: ranks down, time across, F/B/W colours, micro-batch labels.
+@dataclass(frozen=True)
+class ChartFacts:
+    """What the Gantt chart prints besides the timeline: the layout (which chunk and which
+    direction each stage is), each rank's live stash over time (`passes/stash_timeline.py`),
+    the unit of time, a note under the title, and the memory limit, if any (in stashes)."""
 
-    Above SVG_MAX_BOXES ops the chart is drawn per pixel column (see `_pixel_boxes`).
-    """
-    scale = (SVG_WIDTH - LEFT - 10) / sim.makespan if sim.makespan > 0 else 1.0
-    top, h = 24, ROW_HEIGHT - 4
+    layout: Layout
+    memory: Sequence[tuple[Sequence[float], Sequence[float]]]
+    unit: str = ""
+    """'ms' for a model build; empty for schedule studies, whose costs have the user's unit."""
+    note: str = ""
+    memory_limit: float | None = None
+
+
+#: What each op kind's colour stands for, in the legend.
+_MEANING = {
+    "F": "forward",
+    "B": "backward: input gradient",
+    "W": "backward: weight gradient",
+    "BW": "backward: B and W fused",
+    "RECOMPUTE": "forward recomputed for B",
+}
+
+
+def render_svg(sim: SimResult, title: str, facts: ChartFacts) -> str:
+    """A Gantt chart a person reads at a glance: ranks down, time across on an axis with its
+    unit; colour by op kind, shade by the rank's chunk, hatching for the second direction of
+    a bidirectional schedule, the micro-batch in each box; under each rank a strip of its
+    live stash over time (EVICT/LOAD marked on it); makespan and bubble in the title; a
+    legend for everything shown. Above SVG_MAX_BOXES ops the boxes are drawn per pixel column
+    (see `_pixel_boxes`) and show op kinds only."""
+    layout, p = facts.layout, len(sim.timeline)
+    chart_w = SVG_WIDTH - LEFT - 10
+    scale = chart_w / sim.makespan if sim.makespan > 0 else 1.0
     n_ops = sum(len(slots) for slots in sim.timeline)
     per_pixel = n_ops > SVG_MAX_BOXES
+    unit = f" {facts.unit}" if facts.unit else ""
+    head = f"{title}: makespan {sim.makespan:.4g}{unit}, bubble {sim.bubble * 100:.1f} %"
+    notes = [facts.note] if facts.note else []
     if per_pixel:
-        title += (
-            f" ({n_ops} ops, drawn per pixel column: its busiest op kind; "
-            "timeline.json has each op)"
+        notes.append(
+            f"{n_ops} ops, drawn per pixel column (its busiest op kind); timeline.json has each op"
         )
-    boxes = []
+    top = TOP + 14 * len(notes)
+    classes = _box_classes(layout)
+    boxes, rows, strips, marks = [], [], [], []
+    peak_all = max([r.peak_activations for r in sim.ranks] + [facts.memory_limit or 0.0])
     for rank, slots in enumerate(sim.timeline):
         y = top + rank * ROW_HEIGHT
-        boxes += (_pixel_boxes if per_pixel else _op_boxes)(slots, y, h, scale)
-    rows = [(f"rank {r}", top + r * ROW_HEIGHT + h // 2 + 4) for r in range(len(sim.timeline))]
+        if per_pixel:
+            boxes += _pixel_boxes(slots, y, BOX_HEIGHT, scale)
+        else:
+            boxes += _op_boxes(slots, y, BOX_HEIGHT, scale, classes)
+        rows.append((f"rank {rank}", y + BOX_HEIGHT // 2 + 4))
+        times, lives = facts.memory[rank]
+        strips.append(_strip(times, lives, y + BOX_HEIGHT + 2, scale, peak_all))
+    if not per_pixel:
+        for t in sim.transfers:  # on the evictor's strip: the rank whose stash moves
+            rank = t.src if t.kind == "evict" else t.dst
+            y = top + rank * ROW_HEIGHT + BOX_HEIGHT + 2
+            marks.append(_transfer_mark(t, LEFT + t.start * scale, y))
     peaks = [
-        f"peak {r.peak_activations:.4g} stashes"
-        + ("" if r.peak_stash_bytes is None else f" = {format_bytes(r.peak_stash_bytes)}")
-        for r in sim.ranks
+        (
+            f"peak {r.peak_activations:.4g} stashes"
+            + ("" if r.peak_stash_bytes is None else f" = {format_bytes(r.peak_stash_bytes)}"),
+            top + k * ROW_HEIGHT + BOX_HEIGHT + STRIP_HEIGHT,
+        )
+        for k, r in enumerate(sim.ranks)
     ]
-    kinds = sorted({_OP_NAME[s.instr.op] for slots in sim.timeline for s in slots})
-    height = top + len(sim.timeline) * ROW_HEIGHT + 22
+    axis_y = top + p * ROW_HEIGHT
+    ticks = [(LEFT + t * scale, f"{t:g}") for t in _ticks(sim.makespan)]
+    limit_y = None
+    if facts.memory_limit is not None and peak_all > 0:
+        limit_y = STRIP_HEIGHT - facts.memory_limit / peak_all * STRIP_HEIGHT
+    legend, height = _legend(sim, layout, per_pixel, peak_all, facts, axis_y + 40)
     return (
         _env()
         .get_template("schedule.svg.j2")
         .render(
             width=int(SVG_WIDTH) + MEMORY_COLUMN,
             height=height,
-            title=title,
+            head=head,
+            notes=[(text, TOP - 2 + 14 * k) for k, text in enumerate(notes)],
             rows=rows,
             boxes=boxes,
-            legend=[(k, LEFT + 60 * i) for i, k in enumerate(kinds)],
-            memory=[(text, y) for text, (_, y) in zip(peaks, rows)],
+            strips=strips,
+            marks=marks,
+            strip_x=LEFT,
+            strip_w=f"{chart_w:.2f}",
+            strip_h=STRIP_HEIGHT,
+            strip_ys=[top + r * ROW_HEIGHT + BOX_HEIGHT + 2 for r in range(p)],
+            limit_y=None if limit_y is None else f"{limit_y:.2f}",
+            peaks=peaks,
             memory_x=int(SVG_WIDTH) + 4,
+            axis_y=axis_y,
+            axis_end=f"{LEFT + chart_w:.2f}",
+            ticks=[(f"{x:.2f}", label) for x, label in ticks],
+            axis_label=f"time ({facts.unit or 'in the unit of --costs'})",
+            legend=legend,
+            hatched=[k for k in _MEANING if len(layout.pipelines) > 1],
         )
     )
 
 
-def _op_boxes(slots: Sequence[Slot], y: int, h: int, scale: float) -> list[str]:
+def _transfer_mark(t: Transfer, x: float, y: int) -> str:
+    """A triangle on the evictor's strip where a stash move starts: pointing down for an
+    EVICT (the stash leaves), up for a LOAD (it comes back)."""
+    kind = t.kind.upper()
+    tip, base = (y + 9, y) if t.kind == "evict" else (y, y + 9)
+    return (
+        f'<path class="{kind}" d="M{x - 5:.2f} {base}H{x + 5:.2f}L{x:.2f} {tip}Z">'
+        f"<title>{kind} s={t.stage} mb={t.mb} rank {t.src} to {t.dst} "
+        f"[{t.start:g}, {t.end:g})</title></path>"
+    )
+
+
+def _box_classes(layout: Layout) -> dict[Op, list[str]]:
+    """Per op kind, each stage's box class: the kind, 'h' before it for the second direction
+    of a bidirectional schedule (hatched), ' cK' for the rank's K-th chunk (K > 0, lighter)."""
+    chunk, direction = {}, {}
+    for d, pipeline in enumerate(layout.pipelines):
+        seen: dict[int, int] = {}
+        for s in pipeline.stages:
+            r = layout.stage_rank[s]
+            chunk[s], direction[s] = seen.get(r, 0), d
+            seen[r] = chunk[s] + 1
+    stages = range(layout.n_stages)
+    return {
+        op: [
+            ("h" if direction[s] else "")
+            + _OP_NAME[op]
+            + (f" c{min(chunk[s], 3)}" if chunk[s] else "")
+            for s in stages
+        ]
+        for op in Op
+    }
+
+
+def _op_boxes(
+    slots: Sequence[Slot], y: int, h: int, scale: float, classes: dict[Op, list[str]]
+) -> list[str]:
     """One box per op, with its instruction and times as a tooltip and its micro-batch label."""
     boxes = []  # one preformatted line per op
     text_y, tail = y + h // 2 + 4, f'" y="{y}" width="'
@@ -173,7 +279,7 @@ def _op_boxes(slots: Sequence[Slot], y: int, h: int, scale: float) -> list[str]:
         w = (end - start) * scale
         x = LEFT + start * scale
         box = (
-            f'<rect class="{_OP_NAME[instr.op]}" x="{x:.2f}{tail}{w:.2f}" '
+            f'<rect class="{classes[instr.op][instr.stage]}" x="{x:.2f}{tail}{w:.2f}" '
             f'height="{h}"><title>{instr} [{start:g}, {end:g})</title></rect>'
         )
         label = str(instr.mb)
@@ -228,6 +334,102 @@ def _pixel_run(run: list, y: int, h: int) -> str:
     return f'<rect class="{kind}" x="{LEFT + first}" y="{y}" width="{width}" height="{h}"/>'
 
 
+def _strip(
+    times: Sequence[float], lives: Sequence[float], y: int, scale: float, peak: float
+) -> str:
+    """A rank's live stash as a filled step path under its boxes, one step per pixel column:
+    the highest value in the column, held until the next column with a change.
+
+    Written as maps over C functions and strings printed in advance, with no Python code per
+    change: a large chart has 10^5 of them.
+    """
+    if not times or peak <= 0:
+        return ""
+    # Consecutive changes in one column: groupby keeps them together, max takes the pair
+    # with the highest value (the columns are equal).
+    columns = map(int, map(scale.__mul__, times))
+    pairs = map(max, map(itemgetter(1), groupby(zip(columns, lives), itemgetter(0))))
+    cols, highest = zip(*pairs)
+    # Heights in tenths of a pixel up from the strip's bottom (the path is scaled by 0.1).
+    tenths = map(round, map((10 * STRIP_HEIGHT / peak).__mul__, highest))
+    steps = "".join(
+        chain.from_iterable(zip(map(_STEP_X.__getitem__, cols), map(_STEP_Y.__getitem__, tenths)))
+    )
+    end = LEFT + int(scale * times[-1])
+    return (
+        f'<path class="mem" transform="translate(0 {y + STRIP_HEIGHT}) scale(1 0.1)" '
+        f'd="M{LEFT} 0{steps}H{end}V0Z"/>'
+    )
+
+
+#: The strip path's pieces, printed once: a step to column c, a rise to t tenths of a pixel.
+_STEP_X = [f"H{LEFT + c}" for c in range(int(SVG_WIDTH) + 1)]
+_STEP_Y = [f"V{-t}" for t in range(10 * STRIP_HEIGHT + 1)]
+
+
+def _ticks(end: float) -> list[float]:
+    """Round tick positions from 0 to `end`: steps of 1, 2 or 5 times a power of ten, about
+    ten of them."""
+    if end <= 0:
+        return [0.0]
+    raw = end / 10
+    power = 10.0 ** math.floor(math.log10(raw))
+    step = next(f * power for f in (1, 2, 5, 10) if f * power >= raw)
+    return [round(k * step, 12) for k in range(int(end / step + 1e-9) + 1)]
+
+
+def _legend(
+    sim: SimResult,
+    layout: Layout,
+    per_pixel: bool,
+    peak: float,
+    facts: ChartFacts,
+    y: int,
+) -> tuple[list[tuple[str, str, int, int]], int]:
+    """The legend's entries as (swatch class, text, x, y), wrapped into rows, and the chart's
+    height below them: only what the chart shows."""
+    kinds = {_OP_NAME[s.instr.op] for slots in sim.timeline for s in slots}
+    items = [(k, f"{k} {_MEANING[k]}") for k in _MEANING if k in kinds]
+    if not per_pixel:
+        items.append(("", "number: micro-batch"))
+        v = max(_chunks_per_rank(layout), 1)
+        if v > 1:
+            items += [("F", "chunk 0 of a rank: dark")]
+            items += [(f"F c{min(c, 3)}", f"chunk {c}: lighter") for c in range(1, v)]
+        if len(layout.pipelines) > 1:
+            entry = layout.stage_rank[layout.pipelines[1].stages[0]]
+            items.append(("hF", f"hatched: the second direction (enters at rank {entry})"))
+        kinds_moved = sorted({t.kind for t in sim.transfers})
+        if "evict" in kinds_moved:
+            items.append(("EVICT", "EVICT: a stash leaves for a partner rank"))
+        if "load" in kinds_moved:
+            items.append(("LOAD", "LOAD: it comes back"))
+    limit = f", limit {facts.memory_limit:g} (dashed)" if facts.memory_limit is not None else ""
+    items.append(
+        ("memswatch", f"live stash under each rank, full height {peak:.4g} stashes{limit}")
+    )
+    out, x, row_y = [], LEFT, y
+    right = SVG_WIDTH + MEMORY_COLUMN - 10
+    for cls, text in items:
+        w = (14 if cls else 0) + 6 * len(text) + 18
+        if x + w > right and x > LEFT:
+            x, row_y = LEFT, row_y + 16
+        out.append((cls, text, x, row_y))
+        x += w
+    return out, row_y + 10
+
+
+def _chunks_per_rank(layout: Layout) -> int:
+    """The most stages one rank holds in one direction."""
+    most = 0
+    for pipeline in layout.pipelines:
+        count: dict[int, int] = {}
+        for s in pipeline.stages:
+            count[layout.stage_rank[s]] = count.get(layout.stage_rank[s], 0) + 1
+        most = max([most, *count.values()])
+    return most
+
+
 def format_bytes(n: float) -> str:
     """Bytes in binary units, three significant digits: 529152 -> '517 KiB'."""
     units = ("B", "KiB", "MiB", "GiB", "TiB")
@@ -262,24 +464,60 @@ def terminal_gantt(sim: SimResult, width: int = 100) -> str:
 
 
 def measured_table(stats: dict) -> str:
-    """A run's measured figures beside the simulated ones (runtime/measure.py's stats.json)."""
+    """A run's measured figures beside the simulated ones (runtime/measure.py's stats.json).
+
+    Simulated times from estimated costs (FLOPs at an assumed device speed) are no
+    prediction of this machine: they are printed, but not compared with the measured ones.
+    Memory: the real peak (the meter's bytes, runtime/meter.py) and the stash counter's peak
+    (the bytes the runtime books for stashes) beside the simulator's stash peak.
+    """
     m, s = stats["measured"], stats["simulated"]
-    ratio = m["makespan_ms"] / s["makespan_ms"] if s["makespan_ms"] > 0 else float("inf")
+    if s["cost_source"] == "estimate":
+        makespan = (
+            f"  makespan {m['makespan_ms']:.2f} ms; simulated {s['makespan_ms']:.4g} ms from FLOP "
+            "estimates at an assumed device speed, no prediction of this machine (compile with "
+            "--profile to compare)"
+        )
+    else:
+        ratio = m["makespan_ms"] / s["makespan_ms"] if s["makespan_ms"] > 0 else float("inf")
+        makespan = (
+            f"  makespan {m['makespan_ms']:.2f} ms vs {s['makespan_ms']:.2f} ms (x{ratio:.2f})"
+        )
     lines = [
         f"measured over {stats['steps_measured']} steps (median) vs simulated "
         + f"({s['cost_source']} costs):",
-        f"  makespan {m['makespan_ms']:.2f} ms vs {s['makespan_ms']:.2f} ms (x{ratio:.2f}); "
-        + f"iteration {m['iteration_ms']:.2f} ms",
+        f"{makespan}; iteration {m['iteration_ms']:.2f} ms",
         f"  bubble   {m['bubble']:.3f} measured vs {s['bubble']:.3f} simulated",
-        f"  {'rank':>4}  {'peak stash measured':>20}  {'simulated':>10}  {'busy ms':>8}  "
-        + f"{'sim busy':>8}  {'overhead/instr':>14}",
+        f"  {'rank':>4}  {'real peak':>10}  {'stash counter':>13}  {'sim stash':>10}  "
+        + f"{'busy ms':>8}  {'sim busy':>8}  {'overhead/instr':>14}",
     ]
     for r in stats["ranks"]:
         sim_peak = r["simulated_peak_stash_bytes"]
         lines.append(
-            f"  {r['rank']:>4}  {format_bytes(r['peak_stash_bytes']):>20}  "
+            f"  {r['rank']:>4}  {format_bytes(r['real_peak_bytes']):>10}  "
+            f"{format_bytes(r['peak_stash_bytes']):>13}  "
             f"{format_bytes(sim_peak) if sim_peak is not None else '-':>10}  "
-            f"{r['busy_ms']:>8.2f}  {r['simulated_busy_ms']:>8.2f}  "
+            f"{r['busy_ms']:>8.2f}  {r['simulated_busy_ms']:>8.4g}  "
             f"{r['overhead_us_per_instruction']:>11.1f} us"
+        )
+    return "\n".join(lines)
+
+
+def bytes_table(rows: Sequence[Mapping]) -> str:
+    """Per rank, the predicted peak bytes (passes/memory_bytes.py), by term, beside the real
+    peak a run measured and their ratio (`pipec show`'s memory table)."""
+    terms = ("params", "optimizer", "grads", "stash", "buffers", "held", "host")
+    lines = [
+        "peak bytes per rank, predicted (by term) vs measured real:",
+        f"  {'rank':>4}  {'predicted':>10}  {'real':>10}  {'real/pred':>9}  "
+        + "  ".join(f"{t:>9}" for t in terms),
+    ]
+    for row in rows:
+        real = row.get("real_peak_bytes")
+        ratio = f"{row['ratio']:.3f}" if real is not None else "-"
+        lines.append(
+            f"  {row['rank']:>4}  {format_bytes(row['predicted_peak_bytes']):>10}  "
+            f"{format_bytes(real) if real is not None else '-':>10}  {ratio:>9}  "
+            + "  ".join(f"{format_bytes(row['predicted'][t]):>9}" for t in terms)
         )
     return "\n".join(lines)

@@ -10,12 +10,13 @@ The code stays torch.fx friendly: no shape asserts, no mask buffer sliced by a t
 Factories (`pipec compile examples/gpt.py:tiny`): `tiny`, `tiny_tied` and `deep` (16 narrow
 layers, for 8 ranks of a V-shape) run anywhere in seconds; `gpt3_96b` builds the paper-sized
 model on the meta device, good for tracing and FLOP-based cost estimates, never for running.
+Each takes the micro-batch size as a keyword (`--micro-batch-size`; default: its config's).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -141,26 +142,26 @@ def make_spec(cfg: GPTConfig, device: str = "cpu") -> ModelSpec:
     )
 
 
-def tiny() -> ModelSpec:
+def tiny(micro_batch_size: int = TINY.micro_batch) -> ModelSpec:
     """8 layers, d=64: trains on a CPU in seconds."""
-    return make_spec(TINY)
+    return make_spec(replace(TINY, micro_batch=micro_batch_size))
 
 
-def deep() -> ModelSpec:
+def deep(micro_batch_size: int = DEEP.micro_batch) -> ModelSpec:
     """16 layers, d=32: 8 ranks of a V-shape (16 chunks) on a CPU in seconds."""
-    return make_spec(DEEP)
+    return make_spec(replace(DEEP, micro_batch=micro_batch_size))
 
 
-def small() -> ModelSpec:
+def small(micro_batch_size: int = SMALL.micro_batch) -> ModelSpec:
     """8 layers, d=128, micro-batch 4x64: a CPU-sized model whose steps are compute-bound."""
-    return make_spec(SMALL)
+    return make_spec(replace(SMALL, micro_batch=micro_batch_size))
 
 
-def tiny_tied() -> ModelSpec:
+def tiny_tied(micro_batch_size: int = TINY.micro_batch) -> ModelSpec:
     """`tiny` with the LM head tied to the token embedding (first and last stage share it)."""
-    return make_spec(GPTConfig(**{**TINY.__dict__, "tie_embeddings": True}))
+    return make_spec(replace(TINY, tie_embeddings=True, micro_batch=micro_batch_size))
 
 
-def gpt3_96b() -> ModelSpec:
+def gpt3_96b(micro_batch_size: int = GPT3_96B.micro_batch) -> ModelSpec:
     """The paper-sized model on the meta device: traceable and costable, not runnable."""
-    return make_spec(GPT3_96B, device="meta")
+    return make_spec(replace(GPT3_96B, micro_batch=micro_batch_size), device="meta")

@@ -6,12 +6,13 @@ length (`torch.arange` traces fine), so no table buffer is sliced by a traced si
 tensor between two blocks is the residual stream.
 
 Factories: `tiny` runs anywhere in seconds; `llama_65b` builds the paper-sized model on the meta
-device for tracing and FLOP-based cost estimates.
+device for tracing and FLOP-based cost estimates. Each takes the micro-batch size as a keyword
+(`--micro-batch-size`; default: its config's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -142,11 +143,11 @@ def make_spec(cfg: LlamaConfig, device: str = "cpu") -> ModelSpec:
     )
 
 
-def tiny() -> ModelSpec:
+def tiny(micro_batch_size: int = TINY.micro_batch) -> ModelSpec:
     """8 layers, d=64, 4 query heads sharing 2 kv heads: trains on a CPU in seconds."""
-    return make_spec(TINY)
+    return make_spec(replace(TINY, micro_batch=micro_batch_size))
 
 
-def llama_65b() -> ModelSpec:
+def llama_65b(micro_batch_size: int = LLAMA_65B.micro_batch) -> ModelSpec:
     """The paper-sized model on the meta device: traceable and costable, not runnable."""
-    return make_spec(LLAMA_65B, device="meta")
+    return make_spec(replace(LLAMA_65B, micro_batch=micro_batch_size), device="meta")

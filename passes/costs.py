@@ -152,17 +152,28 @@ def _number(text: str, what: str) -> float:
     return x
 
 
+def _items(text: str, what: str, pattern: re.Pattern, expected: str) -> list[tuple[str, str]]:
+    """`KEY=VALUE,...` as (key, value) pairs; one line naming `what` when the text is empty,
+    an item does not read, or a key comes twice (the last would silently win)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise PipecError(f"{what} is empty; expected {expected} (or leave the option out)")
+    pairs = []
+    for item in items:
+        m = pattern.match(item)
+        if not m:
+            raise PipecError(f"{what}: cannot read '{item}'; expected {expected}")
+        if any(key == m.group(1) for key, _ in pairs):
+            raise PipecError(f"{what} gives {m.group(1)} twice; give each key once")
+        pairs.append(m.groups())
+    return pairs
+
+
 def parse_costs(text: str, base: CostModel | None = None) -> CostModel:
     """Parse `--costs F=1,B=1,W=1,comm=0` (any subset; `F=1:2:1:1` per chunk)."""
     fields: dict = {}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        m = _ITEM.match(item)
-        if not m:
-            raise PipecError(
-                f"--costs: cannot read '{item}'; expected KEY=VALUE with KEY in F, B, W, comm, "
-                "allreduce, e.g. --costs F=1,B=2,W=1,comm=0.1"
-            )
-        key, value = m.groups()
+    expected = "KEY=VALUE with KEY in F, B, W, comm, allreduce, e.g. --costs F=1,B=2,W=1,comm=0.1"
+    for key, value in _items(text, "--costs", _ITEM, expected):
         if key in ("comm", "allreduce"):
             fields[key] = _number(value, f"--costs {key}")
         else:
@@ -176,13 +187,8 @@ def parse_costs(text: str, base: CostModel | None = None) -> CostModel:
 def parse_mem(text: str, base: CostModel) -> CostModel:
     """Parse `--mem F=a,W=-c[,in=r]`: memory F adds, W adds (negative), recompute's input stash."""
     fields: dict = {}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        m = _MEM_ITEM.match(item)
-        if not m:
-            raise PipecError(
-                f"--mem: cannot read '{item}'; expected F=a, W=-c or in=r, e.g. --mem F=1,W=-0.5"
-            )
-        key, value = m.groups()
+    expected = "F=a, W=-c or in=r, e.g. --mem F=1,W=-0.5"
+    for key, value in _items(text, "--mem", _MEM_ITEM, expected):
         fields[{"F": "mem_F", "W": "mem_W", "in": "mem_input"}[key]] = _number(value, "--mem")
     out = replace(base, **fields)
     if out.mem_F <= 0 or out.mem_W > 0 or -out.mem_W > out.mem_F:

@@ -2,7 +2,8 @@
 
 A send waits for its receive, a stash move for its peer half, a replica all-reduce for both
 ranks of the pair. The programs finish only if every input is produced or received before it
-is used and no two ranks wait on each other: no deadlock. `counterpart` names the instruction
+is used and no ranks wait on each other in a cycle: no deadlock (when there is one, the error
+names the cycle: `_deadlock`). `counterpart` names the instruction
 a peer must run to match a message (also used by the eviction pass's rendezvous).
 """
 
@@ -165,13 +166,53 @@ def check_execution(compiled: Compiled) -> None:
                 raise VerifyError(f"{at(r, k, instr)}: OPTIMIZER_STEP must come last")
             k += 1
         pos[r] = k
-    stuck = [r for r in range(n) if pos[r] < len(programs[r])]
-    if stuck:
-        where = "; ".join(f"{at(r, pos[r], programs[r][pos[r]])} waits" for r in stuck[:4])
-        raise VerifyError(f"deadlock under blocking send/recv: {where}")
+    if any(pos[r] < len(programs[r]) for r in range(n)):
+        raise _deadlock(compiled, pos)
     for r, prog in enumerate(programs):
         if not prog or prog[-1].op is not Op.OPTIMIZER_STEP:
             raise VerifyError(f"rank {r}: the program must end with OPTIMIZER_STEP")
+
+
+def _deadlock(compiled: Compiled, pos: Sequence[int]) -> VerifyError:
+    """Why the blocked ranks never go on: the wait-for graph (an edge from each blocked rank
+    to the peer whose counterpart it waits for) and its cycle, each rank with its instruction
+    and what it waits for; without a cycle, the rank waiting on one that has finished.
+    networkx is imported here, on the failure path only."""
+    import networkx as nx
+
+    programs = compiled.programs
+    waits = nx.DiGraph()
+    for r, prog in enumerate(programs):
+        if pos[r] < len(prog):
+            instr = prog[pos[r]]
+            other = (
+                replicas.counterpart(compiled.layout, instr, r)
+                if instr.op is Op.ALLREDUCE_GRADS
+                else counterpart(instr, r, compiled)
+            )
+            waits.add_edge(
+                r,
+                instr.peer,
+                why=f"{at(r, pos[r], instr)} waits for rank {instr.peer} to reach {other}",
+            )
+    try:
+        cycle = nx.find_cycle(waits)
+    except nx.NetworkXNoCycle:
+        r, q = next((r, q) for r, q in waits.edges if pos[q] == len(programs[q]))
+        return VerifyError(
+            f"deadlock under blocking send/recv: {waits.edges[r, q]['why']}, but rank {q} has "
+            "finished its program without it"
+        )
+    first = min(range(len(cycle)), key=lambda k: cycle[k][0])  # read from the lowest rank
+    cycle = cycle[first:] + cycle[:first]
+    ranks = " -> ".join(str(r) for r, _ in cycle) + f" -> {cycle[0][0]}"
+    others = waits.number_of_edges() - len(cycle)
+    more = f" ({others} more blocked ranks wait on these)" if others else ""
+    return VerifyError(
+        f"deadlock under blocking send/recv: ranks {ranks} wait on each other in a cycle: "
+        + "; ".join(waits.edges[e]["why"] for e in cycle)
+        + more
+    )
 
 
 def _missing_input(

@@ -155,7 +155,8 @@ def _merge(order: Sequence[Instr], msgs: Sequence[Entry]) -> Program:
     for j, (_, kind, _, node) in enumerate(msgs):
         if kind == "recv":
             need[index[node]] = j
-    # An OVERLAP pair starts as one unit: the inputs of both its ops come before the marker.
+    # An OVERLAP pair: the receives of both its ops are posted before the marker, so that a
+    # runtime overlapping the two has both inputs on the way (each op waits for its own).
     overlaps = [k for k, instr in enumerate(order) if instr.op is Op.OVERLAP]
     computes = sorted(index.values())[1:] if overlaps else []  # without the None entry's -1
     for k in overlaps:

@@ -3,12 +3,14 @@
 Semantics are the runtime's: sends are non-blocking and receives are posted early, so a
 compute op starts when its rank is free and every input has arrived (the producer's end, plus
 the transfer time when the producer is on another rank: `comm`, or the link's time under a
-topology). An OVERLAP pair (DualPipe's F&B) starts as one unit, once the inputs of both its
-forward and its backward have arrived; it then costs what its two ops cost one after the
-other (no speed-up from overlapping is assumed), and each op's output leaves when that op
-ends. That is the longest path over the DAG of program order and data edges; it is computed
-with one worklist pass, O(number of instructions). Stash moves (EVICT/ACCEPT, RETURN/LOAD)
-follow `passes/transfers.py`; replica all-reduces `passes/replicas.py`.
+topology). An OVERLAP pair (DualPipe's F&B) runs as the runtime runs it: its forward, then its
+backward, each starting once its own input is there (no speed-up from overlapping is
+assumed). With `overlap_as_one`, DeepSeek's accounting instead: the pair starts as one unit
+once the inputs of both ops are in (its figures, e.g. the DualPipe bubble (PP/2-1)(F&B+B-3W),
+are counted that way). Each op's output leaves when that op ends. That is the longest path
+over the DAG of program order and data edges; it is computed with one worklist pass,
+O(number of instructions). Stash moves (EVICT/ACCEPT, RETURN/LOAD) follow
+`passes/transfers.py`; replica all-reduces `passes/replicas.py`.
 """
 
 from __future__ import annotations
@@ -144,20 +146,22 @@ def play(
     programs: Sequence[Sequence[Instr]],
     costs: CostModel,
     transfers: Transfers | None = None,
+    overlap_as_one: bool = False,
 ) -> Played:
     """Start and end time of every compute op, and the order in which they completed.
 
     The completion order is a topological order of program order plus data edges, and ends
     are non-decreasing along every such edge, so (end, position) orders events causally.
     A program that can never finish (a cycle) is a PipecError naming each stuck rank.
-    Stash transfers are recorded in `transfers` when one is given.
+    Stash transfers are recorded in `transfers` when one is given. `overlap_as_one`: an
+    OVERLAP pair waits for the inputs of both its ops (DeepSeek's accounting, see above).
     """
     recompute = uses_recompute(programs)
     fused = fused_backwards(programs)
     rank_of = layout.stage_rank
     played_ops = COMPUTE_OPS | MEMORY_OPS
     compute = [[i for i in prog if i.op in played_ops] for prog in programs]
-    overlaps = Op.OVERLAP in op_kinds(programs)
+    overlaps = overlap_as_one and Op.OVERLAP in op_kinds(programs)
     paired = [overlap_starts(prog) if overlaps else set() for prog in programs]
     times: dict[Node, tuple[float, float]] = {}
     done_order: list[Node] = []
@@ -286,15 +290,16 @@ def simulate(
     programs: Sequence[Sequence[Instr]],
     costs: CostModel,
     played: Played | None = None,
+    overlap_as_one: bool = False,
 ) -> SimResult:
     """Simulate the programs (compute orders or lowered programs) under `costs`.
 
     `played` reuses a `play` of the same compute orders when the programs move no stash
-    (lowering keeps the orders), saving a pass.
+    (lowering keeps the orders), saving a pass. `overlap_as_one`: see the module docstring.
     """
     recompute = uses_recompute(programs)
     moves = Transfers(layout, costs, recompute)
-    times, _, played_slots = played or play(layout, programs, costs, moves)
+    times, _, played_slots = played or play(layout, programs, costs, moves, overlap_as_one)
     synced = sync_times(layout, programs, times, costs)
     by_chunk = measured_inputs(costs) if recompute else None
     timeline, ranks = [], []

@@ -14,7 +14,7 @@
 
 Invariants 2 and 3 are checked together by executing the programs under blocking semantics in
 one O(n) worklist pass (`passes/execution.py`). A violation is a `VerifyError` naming rank,
-position, instruction.
+position, instruction; a deadlock names the whole cycle of ranks that wait on each other.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from operator import attrgetter
 
 from passes import replicas
 from passes.costs import CostModel
+from passes.data_parallel import dp_sync_error
 from passes.execution import check_execution
 from passes.residency import check_residency
 from passes.simulate import uses_recompute
@@ -49,22 +50,25 @@ def verify(
     peaks: Sequence[float] | None = None,
     memory_limit: float | None = None,
     execution: bool = True,
+    dp: int = 1,
 ) -> None:
     """Raise VerifyError unless `compiled` satisfies all four invariants.
 
     `peaks` are the simulator's per-rank peak activations to check against; `memory_limit`
     (in stashes) is the user's cap. `execution=False` leaves invariants 2-3 to the caller:
     the compile driver runs `check_execution`, the longest check, beside the simulation.
+    `dp` copies of the pipeline need each stage's gradients all-reduced once (invariant 1).
     """
-    check_coverage(compiled)
+    check_coverage(compiled, dp)
     if execution:
         check_execution(compiled)
     check_residency(compiled)
     check_memory(compiled, costs, peaks, memory_limit)
 
 
-def check_coverage(compiled: Compiled) -> None:
-    """Invariant 1: each work-graph op exactly once, on its stage's rank."""
+def check_coverage(compiled: Compiled, dp: int = 1) -> None:
+    """Invariant 1: each work-graph op exactly once, on its stage's rank; each replica and
+    data-parallel gradient sync exactly once."""
     layout, programs = compiled.layout, compiled.programs
     if len(programs) != layout.p:
         raise VerifyError(f"{len(programs)} programs for a {layout.p}-rank layout")
@@ -98,7 +102,11 @@ def check_coverage(compiled: Compiled) -> None:
             f"rank {layout.stage_rank[s]}: {k.value} s={s} mb={i} is missing "
             f"({len(missing)} work-graph ops missing in all)"
         )
-    bad = replicas.coverage_error(layout, programs) or _overlap_error(programs)
+    bad = (
+        replicas.coverage_error(layout, programs)
+        or dp_sync_error(programs, dp)
+        or _overlap_error(programs)
+    )
     if bad:
         raise VerifyError(bad)
 

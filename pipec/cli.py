@@ -6,30 +6,44 @@ Bad input is one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
+import math
 import os
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from codegen.render import measured_table, terminal_gantt
+from codegen.render import bytes_table, measured_table, terminal_gantt
 from passes.costs import CostModel, parse_costs, parse_mem
 from passes.evict import amount
 from passes.placement import MAPPINGS
 from passes.registry import SCHEDULES, family
-from passes.residency import NEEDS_MODEL, check_stash_bytes
-from passes.simulate import SimResult, simulate
+from passes.residency import NEEDS_MODEL
+from passes.simulate import SimResult
 from passes.topology import Topology, make_topology
-from passes.verify import verify
-from pipec.build_dir import emit, load
+from pipec import __version__
+from pipec.build_dir import Build, check_build, check_out, emit, load, time_unit
 from pipec.compile import CompileResult, compile_schedule, gc_paused
+from pipec.footprint import check_fits
 from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
 from pipec.ir import Layout, PipecError
 from pipec.model import compile_model
+from pipec.progress import progress
+
+DEVICE_HELP = (
+    "Profile on this device: cpu, cuda or cuda:N, the one the build will run on (default: "
+    "where the factory builds the model)."
+)
+
+if TYPE_CHECKING:
+    from pipec.plan.driver import Plan
 
 
 def _schedule_options(fn: Callable) -> Callable:
@@ -49,12 +63,12 @@ def _schedule_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--costs",
-            default="",
+            default=None,
             help="Per-op costs, e.g. F=1,B=1,W=1,comm=0 (F=1:2:1:1 per chunk).",
         ),
         click.option(
             "--mem",
-            default="",
+            default=None,
             help="Memory per op in stashes, e.g. F=1,W=-0.5 (B nets the rest).",
         ),
         click.option(
@@ -116,15 +130,27 @@ def _compile(
     partition=None,
     profile=False,
     dp=1,
+    device=None,
+    micro_batch_size=None,
+    plan_profile=None,
+    split_points=None,
 ) -> CompileResult:
-    cost_model = parse_mem(mem, parse_costs(costs)) if mem else parse_costs(costs)
+    cost_model = CostModel() if costs is None else parse_costs(costs)
+    if mem is not None:
+        cost_model = parse_mem(mem, cost_model)
     memory_limit, in_bytes = _memory_limit(memory_limit)
     if in_bytes and model is None:
         raise PipecError(NEEDS_MODEL)
     if sum(x is not None for x in (schedule, from_torch, from_torch_csv)) != 1:
         raise click.UsageError("give one of --schedule, --from-torch or --from-torch-csv")
-    if model is None and (partition is not None or profile):
-        raise PipecError("--partition and --profile need a MODEL (path/to/file.py:factory)")
+    if model is None and (partition is not None or profile or split_points is not None):
+        raise PipecError(
+            "--partition, --split-points and --profile need a MODEL (path/to/file.py:factory)"
+        )
+    if partition is not None and split_points is not None:
+        raise PipecError("give --partition or --split-points, not both")
+    if device is not None and not profile:
+        raise PipecError("--device says where --profile times the stages; add --profile")
     if model is not None and schedule is None:
         raise PipecError(
             "a MODEL compiles with --schedule; imported torch orders take no MODEL yet"
@@ -140,6 +166,28 @@ def _compile(
     for flag, value in (("--pp", pp), ("--microbatches", microbatches)):
         if value is None:
             raise click.UsageError(f"Missing option '{flag}'.")
+    if (micro_batch_size is not None or plan_profile is not None) and model is None:
+        raise PipecError(
+            "--micro-batch-size and --plan-profile need a MODEL (path/to/file.py:factory)"
+        )
+    if plan_profile is not None:
+        given = {
+            "--costs": costs,
+            "--mem": mem,
+            "--link": link,
+            "--nodes": nodes,
+            "--gpus-per-node": gpus_per_node,
+            "--partition": partition,
+            "--split-points": split_points,
+            "--profile": profile,
+            "--mapping": mapping != "sequential",
+            "a --memory-limit in bytes": in_bytes,
+        }
+        clash = [flag for flag, value in given.items() if value]
+        return _compile_planned(
+            plan_profile, model, schedule, pp, microbatches, chunks, memory_limit, evict, dp,
+            micro_batch_size, clash,
+        )  # fmt: skip
     cost_model = replace(cost_model, topology=make_topology(pp, nodes, gpus_per_node, link))
     if from_torch is not None:
         result, notes = compile_torch_class(
@@ -174,7 +222,57 @@ def _compile(
         evict,
         mapping,
         in_bytes,
+        device,
+        micro_batch_size,
+        split_points=tuple(split_points.split(",")) if split_points is not None else None,
     )
+
+
+def _compile_planned(
+    path: Path,
+    spec: str,
+    schedule: str,
+    p: int,
+    m: int,
+    v: int | None,
+    memory_limit: float | None,
+    evict: bool,
+    dp: int,
+    micro_batch_size: int | None,
+    clash: list[str],
+) -> CompileResult:
+    """`--plan-profile FILE`: the build `pipec plan` prices from FILE (see pipec/plan/build.py)."""
+    from pipec.plan.build import compile_planned
+    from pipec.plan.candidates import CompileRequest
+    from pipec.plan.saved import load as load_saved
+
+    if clash:
+        raise PipecError(
+            f"--plan-profile prices the build as pipec plan did (its profile, its links); "
+            f"drop {', '.join(clash)}"
+        )
+    if micro_batch_size is None:
+        raise PipecError("--plan-profile needs --micro-batch-size: which profiled size to build")
+    v = family(schedule).default_v if v is None else v
+    job = CompileRequest(schedule, p, m, v, memory_limit, (("evict", True),) if evict else ())
+    return compile_planned(spec, load_saved(path), job, micro_batch_size, dp)
+
+
+@contextmanager
+def _watched(opts: dict) -> Iterator[None]:
+    """Refuse a shape whose compile would not fit in memory, before building anything; report
+    progress while a long one runs. A CSV's shape is its own, and bad values are refused
+    where they are read."""
+    p, m, v = opts["pp"], opts["microbatches"], opts["chunks"]
+    name = opts["schedule"] or opts["from_torch"]
+    if name is None or p is None or m is None or min(p, m, v or 1) < 1:
+        yield
+        return
+    if v is None:
+        v = family(opts["schedule"]).default_v if opts["schedule"] else 1
+    need = check_fits(p, m, v)
+    with progress(f"compiling {name} p={p} m={m} v={v} ({need})"):
+        yield
 
 
 def _memory_limit(text: str | None) -> tuple[float | None, bool]:
@@ -182,11 +280,17 @@ def _memory_limit(text: str | None) -> tuple[float | None, bool]:
     if text is None:
         return None, False
     try:
-        return float(text), False
+        stashes = float(text)
     except ValueError:
         from pipec.plan.memory import parse_bytes
 
         return float(parse_bytes(text, "--memory-limit")), True
+    if not 0 < stashes < math.inf:
+        raise PipecError(
+            f"--memory-limit must be a positive number of stashes, e.g. 5, or bytes with a "
+            f"unit, e.g. 40GiB (got '{text}')"
+        )
+    return stashes, False
 
 
 def _eviction(sim: SimResult, layout: Layout, costs: CostModel, plan: dict) -> dict:
@@ -237,8 +341,13 @@ def _placement_table(layout: Layout, topology: Topology | None) -> str:
     return "\n".join(lines)
 
 
-def _rank_table(sim: SimResult) -> str:
+def _rank_table(sim: SimResult, plan: dict) -> str:
+    """Per-rank figures, then makespan and bubbles, times in the plan's unit (named when it
+    has one) and a note when they come from estimated costs."""
+    unit, note = time_unit(plan)
     head = f"{'rank':>4}  {'busy':>10}  {'span':>10}  {'peak act':>9}  {'params':>6}  {'sync':>6}"
+    if unit:
+        head += f"  (times in {unit})"
     lines = [head]
     for r, s in enumerate(sim.ranks):
         lines.append(
@@ -246,12 +355,16 @@ def _rank_table(sim: SimResult) -> str:
             f"{s.params:>6.4g}  {s.sync:>6.4g}"
         )
     lines.append(
-        f"makespan {sim.makespan:.6g}  bubble {sim.bubble:.4f}  span_bubble {sim.span_bubble:.4f}"
+        f"makespan {sim.makespan:.6g}{' ' + unit if unit else ''}  bubble {sim.bubble:.4f}  "
+        f"span_bubble {sim.span_bubble:.4f}"
     )
+    if note:
+        lines.append(f"note: {note}")
     return "\n".join(lines)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="pipec", message="%(prog)s %(version)s")
 def cli() -> None:
     """pipec: compile pipeline-parallel schedules into verified, simulated per-rank programs."""
 
@@ -274,10 +387,16 @@ def schedules() -> None:
     help="With MODEL: uniform, balanced (default) or blocks per stage, e.g. 3,2,2,1.",
 )
 @click.option(
+    "--split-points",
+    default=None,
+    help="With MODEL: the blocks where stages 1, 2, ... begin, e.g. layers.4,layers.8.",
+)
+@click.option(
     "--profile",
     is_flag=True,
     help="With MODEL: time each stage's F/B/W here instead of estimating FLOPs.",
 )
+@click.option("--device", default=None, help=DEVICE_HELP)
 @click.option(
     "--dp",
     type=int,
@@ -286,21 +405,44 @@ def schedules() -> None:
     help="Data-parallel copies of the pipeline (world = p·dp).",
 )
 @click.option(
-    "--out", "-o", type=click.Path(path_type=Path), default=Path("build"), show_default=True
+    "--micro-batch-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With MODEL: ask its factory for micro-batches of this size (default: its own).",
+)
+@click.option(
+    "--plan-profile",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="With MODEL: price the build from a profile `pipec plan` saved, as the plan did.",
+)
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(path_type=Path),
+    default=Path("build"),
+    show_default=True,
+    help="Build directory to write (created; replaced only with --force).",
 )
 @click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
 def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
     """Compile a schedule (for MODEL, path/to/file.py:factory, if given) into programs in OUT."""
-    with gc_paused():  # the collector's one scan of the 10^6 objects built comes after emit
+    check_out(out, force, opts["schedule"])  # before the work, which may be long
+    # The collector's one scan of the 10^6 objects built comes after emit.
+    with gc_paused(), _watched(opts):
         result = _compile(**opts)
         emit(result, out, force)
     sim = result.sim
+    unit, note = time_unit(result.plan)
     click.echo(
         f"wrote {out}/: {result.compiled.world} rank programs, plan {result.plan_hash}; "
-        f"makespan {sim.makespan:.6g}, bubble {sim.bubble:.4f}, span_bubble {sim.span_bubble:.4f}"
+        f"makespan {sim.makespan:.6g}{' ' + unit if unit else ''}, bubble {sim.bubble:.4f}, "
+        f"span_bubble {sim.span_bubble:.4f}"
     )
     if result.plan.get("evict"):
         click.echo(_eviction_line(sim, result.compiled.layout, result.costs, result.plan))
+    if note:
+        click.echo(f"note: {note}")
     return result  # `run` holds it until the process ends: freeing it is wasted time
 
 
@@ -310,7 +452,8 @@ def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 def simulate_cmd(as_json: bool, **opts) -> CompileResult:
     """Simulate a schedule (for MODEL, path/to/file.py:factory, if given); writes nothing."""
-    result = _compile(**opts)
+    with _watched(opts):
+        result = _compile(**opts)
     evicted, c = result.plan.get("evict"), result.compiled
     if as_json:
         out = {"schedule": c.schedule, "p": c.p, "m": c.m, "v": c.v} | result.sim.to_json()
@@ -320,7 +463,7 @@ def simulate_cmd(as_json: bool, **opts) -> CompileResult:
             out["mapping"] = result.plan["mapping"]
         click.echo(json.dumps(out, sort_keys=True))
     else:
-        click.echo(_rank_table(result.sim))
+        click.echo(_rank_table(result.sim, result.plan))
         if evicted:
             click.echo(_eviction_line(result.sim, c.layout, result.costs, result.plan))
     return result  # as compile's
@@ -329,13 +472,35 @@ def simulate_cmd(as_json: bool, **opts) -> CompileResult:
 @cli.command()
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option(
-    "--lines", default=40, show_default=True, help="Instructions shown per rank (0: all)."
+    "--lines",
+    type=click.IntRange(min=0),
+    default=40,
+    show_default=True,
+    help="Instructions shown per rank (0: all).",
 )
-@click.option("--width", default=100, show_default=True, help="Width of the Gantt chart.")
-def show(directory: Path, lines: int, width: int) -> None:
-    """Print a build's programs, per-rank figures and a terminal Gantt chart."""
+@click.option(
+    "--width",
+    type=click.IntRange(min=10),
+    default=100,
+    show_default=True,
+    help="Columns of the Gantt chart.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the figures as JSON instead (per rank: predicted and real peak bytes).",
+)
+def show(directory: Path, lines: int, width: int, as_json: bool) -> None:
+    """Print a build's programs, per-rank figures and a terminal Gantt chart; after a run, the
+    measured figures and the predicted vs real peak bytes per rank. Exit 2 when the verifier
+    finds the build broken (after its programs, which show where)."""
     build = load(directory)
     c = build.compiled
+    if as_json:
+        sim = _checked(build)
+        click.echo(json.dumps(_show_json(build, sim, _measured(directory)), sort_keys=True))
+        return
     click.echo(f"{c.schedule} p={c.p} m={c.m} v={c.v} plan {build.plan_hash}")
     for rank, program in enumerate(c.programs):
         shown = program if lines <= 0 else program[:lines]
@@ -343,31 +508,81 @@ def show(directory: Path, lines: int, width: int) -> None:
         click.echo("\n".join(f"  {instr}" for instr in shown))
         if len(shown) < len(program):
             click.echo(f"  ... {len(program) - len(shown)} more (--lines 0 shows all)")
-    sim = simulate(c.layout, c.programs, build.costs)
-    click.echo(_rank_table(sim))
+    sim = _checked(build)
+    click.echo(_rank_table(sim, build.plan))
     if build.plan.get("evict"):
         click.echo(_eviction_line(sim, c.layout, build.costs, build.plan))
     click.echo(_placement_table(c.layout, build.costs.topology))
     click.echo(terminal_gantt(sim, width))
+    stats = _measured(directory)
+    if stats is not None:  # written by a run of OUT/launch.py
+        click.echo(measured_table(stats))
+        click.echo(bytes_table(_memory_rows(build, sim, stats)))
+        _echo_planned(build.plan, stats)
+
+
+def _measured(directory: Path) -> dict | None:
     measured = directory / "measured" / "stats.json"
-    if measured.is_file():  # written by a run of OUT/launch.py
-        click.echo(measured_table(json.loads(measured.read_text())))
+    return json.loads(measured.read_text()) if measured.is_file() else None
+
+
+def _checked(build: Build) -> SimResult:
+    """`check_build`'s simulation, or a PipecError saying the build is broken and why."""
+    try:
+        return check_build(build)
+    except PipecError as e:
+        raise PipecError(f"this build is broken: {e}") from None
+
+
+def _echo_planned(plan: dict, stats: dict) -> None:
+    """A build `pipec plan` made: its predicted iteration time beside the measured one."""
+    from pipec.plan.build import planned_line
+
+    line = planned_line(plan, stats)
+    if line is not None:
+        click.echo(line)
+
+
+def _memory_rows(build: Build, sim: SimResult, stats: dict | None) -> list[dict]:
+    """Predicted peak bytes per rank (for the run's device: CPU unless it ran on CUDA), with
+    the run's real peaks when there was one (runtime/measure.py)."""
+    from runtime.measure import memory_rows, predicted_peaks  # torch: only when asked
+
+    device = stats.get("device", "cpu") if stats is not None else "cpu"
+    peaks = predicted_peaks(build.plan, build.compiled, build.costs, sim, device)
+    return memory_rows(peaks, stats)
+
+
+def _show_json(build: Build, sim: SimResult, stats: dict | None) -> dict:
+    """`pipec show --json`: the simulated figures and, per rank, predicted and real peak bytes
+    (real only after a run), with the run's measured figures."""
+    c = build.compiled
+    out = {
+        "schedule": c.schedule,
+        "p": c.p,
+        "m": c.m,
+        "v": c.v,
+        "plan": build.plan_hash,
+        "simulated": sim.to_json(),
+        "measured": None if stats is None else stats["measured"] | {"device": stats["device"]},
+    }
+    if build.plan.get("model") is not None:
+        out["ranks"] = _memory_rows(build, sim, stats)
+    return out
 
 
 @cli.command("verify")
 @click.argument("directory", type=click.Path(path_type=Path))
 def verify_cmd(directory: Path) -> None:
-    """Check a build's programs against the invariants; exit 2 on any violation."""
+    """Check a build: exactly the plan's files, the invariants, and stats.json against a
+    re-simulation; exit 2 on any violation."""
     build = load(directory)
+    sim = check_build(build)
     c = build.compiled
-    verify(c, build.costs, None, build.plan.get("memory_limit"))
-    sim = simulate(c.layout, c.programs, build.costs)
-    if build.plan.get("memory_limit_bytes") is not None:
-        check_stash_bytes(sim, build.plan["memory_limit_bytes"])
     n = sum(len(p) for p in c.programs)
     click.echo(
         f"ok: {c.world} ranks, {n} instructions verified (coverage, dependencies, "
-        f"deadlock-free matching, memory); makespan {sim.makespan:.6g}"
+        f"deadlock-free matching, memory; files and stats.json); makespan {sim.makespan:.6g}"
     )
 
 
@@ -422,8 +637,26 @@ def _csv(text: str, what: str, kind: type = str) -> list:
 @click.option(
     "--threads", type=int, default=None, help="CPU threads while profiling (one rank's share)."
 )
+@click.option("--device", default=None, help=DEVICE_HELP)
 @click.option("--top", type=int, default=10, show_default=True, help="Rows printed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Build row --pick here, as the plan simulated it; print the torchrun command.",
+)
+@click.option(
+    "--pick", type=click.IntRange(min=1), default=None, help="The row --out builds (default 1)."
+)
+@click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
+@click.option(
+    "--save-profile",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the profile here (default with --out/--json: plan-profile-DIGEST.json).",
+)
 def plan_cmd(
     model: str,
     memory_per_device: str,
@@ -434,14 +667,23 @@ def plan_cmd(
     threads: int | None,
     top: int,
     as_json: bool,
+    out: Path | None,
+    pick: int | None,
+    force: bool,
+    save_profile: Path | None,
     **opts,
 ) -> None:
     """Profile MODEL at several micro-batch sizes; rank schedule × mbs × memory strategy."""
+    from pipec.build_dir import check_out
     from pipec.plan.candidates import PlanRequest
     from pipec.plan.driver import machine, plan_model
     from pipec.plan.memory import parse_bytes
-    from pipec.plan.report import render_json, render_text
+    from pipec.plan.report import render_text
 
+    if out is None and pick is not None:
+        raise PipecError("--pick chooses the row --out builds; give --out BUILD too")
+    if out is not None:
+        check_out(out, force)  # before profiling: a typo costs no measurement
     topology = machine(opts["pp"], opts["nodes"], opts["gpus_per_node"], opts["link"], opts["comm"])
     req = PlanRequest(
         opts["pp"],
@@ -464,8 +706,74 @@ def plan_cmd(
         time_budget=opts["time_budget"],
         runs=opts["runs"],
         peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
+        device=opts["device"],
     )
-    click.echo(json.dumps(render_json(plan), sort_keys=True) if as_json else render_text(plan, top))
+    if out is None and not as_json and save_profile is None:
+        click.echo(render_text(plan, top))
+        return
+    _plan_builds(model, plan, out, pick or 1, force, save_profile, as_json, top)
+
+
+def _plan_builds(
+    spec: str,
+    plan: Plan,
+    out: Path | None,
+    pick: int,
+    force: bool,
+    save_profile: Path | None,
+    as_json: bool,
+    top: int,
+) -> None:
+    """Save the plan's profile, give every row its `pipec compile` command line, and with
+    `out` build row `pick` by running its command line: the printed command is the build."""
+    from pipec.plan.build import command_line, shell, torchrun_line
+    from pipec.plan.report import render_json, render_text, rows
+    from pipec.plan.saved import SavedProfile, save
+
+    req = plan.request
+    saved = save(SavedProfile(plan.profile, req.comm_s, req.machine), save_profile)
+    if not as_json:
+        click.echo(render_text(plan, top))
+        click.echo(f"profile saved to {saved} (pipec compile --plan-profile builds from it)")
+    built = None
+    if out is not None:
+        table = rows(plan)
+        if pick > len(table):
+            raise PipecError(
+                f"--pick {pick}: {len(table)} candidate(s) fit; pick 1 to {len(table)}"
+            )
+        ev = table[pick - 1].ev
+        argv = command_line(ev, spec, saved, req.dp, out, force)
+        # --json: the compile's message goes to stderr, so stdout stays one JSON object.
+        with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+            compile_cmd.main(args=argv[2:], prog_name="pipec compile", standalone_mode=False)
+        run = torchrun_line(out, req.p * req.dp)
+        built = {"pick": pick, "out": str(out), "command": shell(argv), "torchrun": run}
+        if not as_json:
+            click.echo(
+                f"built row {pick} ({ev.schedule} {ev.strategy}, mbs {ev.mbs}, m {ev.m}) as:\n"
+                f"  {shell(argv)}\nrun it:\n  {run}"
+            )
+    if as_json:
+        build_dir = out or Path("build")
+        report = render_json(
+            plan, lambda e: shell(command_line(e, spec, saved, req.dp, build_dir))
+        ) | ({"build": built} if built else {})
+        click.echo(json.dumps(report, sort_keys=True))
+
+
+@cli.command("run", context_settings={"ignore_unknown_options": True})
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--nproc", type=int, default=None, help="Ranks on this machine (default: P·D).")
+@click.argument("launch_args", nargs=-1, type=click.UNPROCESSED)
+def run_cmd(directory: Path, nproc: int | None, launch_args: tuple[str, ...]) -> None:
+    """Train a build under torchrun here (LAUNCH_ARGS go to its launch.py, e.g. --steps 30);
+    on failure the rank's one-line message is repeated last and its exit code returned."""
+    from runtime.torchrun import run_build
+
+    code = run_build(directory, nproc, launch_args)
+    if code:
+        sys.exit(code)
 
 
 @cli.command()
@@ -503,6 +811,11 @@ def main(argv: list[str] | None = None) -> object:
         sys.exit(2)
 
 
+def _terminated(signum: int, frame: object) -> NoReturn:
+    click.echo("pipec: terminated", err=True)
+    sys.exit(128 + signum)
+
+
 def run() -> NoReturn:
     """The `pipec` command: `main()` with the collector paused, then an exit that leaves the
     heap to the operating system.
@@ -510,7 +823,9 @@ def run() -> NoReturn:
     A large compile holds 10^6 objects when its files are written. Freeing them one by one,
     the collector's scan of them and the interpreter's shutdown took another 1.0-1.5 s of a
     4.8 s `pipec compile` at p=64, m=1024. Exit handlers still run; open files are flushed.
+    SIGTERM exits as an exception would (status 143), so a half-written build is removed.
     """
+    signal.signal(signal.SIGTERM, _terminated)
     with gc_paused():
         try:
             kept = main()  # noqa: F841 - held, not freed, until the process ends

@@ -136,7 +136,7 @@ def package(
     with beside(partial(check_execution, compiled), instruction_count(compiled)):
         sim = simulate(compiled.layout, compiled.programs, costs, played)
         peaks = [r.peak_activations for r in sim.ranks]
-        verify(compiled, costs, peaks, stashes_limit, execution=False)
+        verify(compiled, costs, peaks, stashes_limit, execution=False, dp=opts.dp)
     if opts.limit_in_bytes:
         check_stash_bytes(sim, limit)
     plan = {

@@ -1,7 +1,7 @@
 """Compile a schedule for a real model: the frontend's stage facts become the cost model.
 
 The schedule's layout says how many model chunks there are (S = p·v, and how many replicas a
-bidirectional schedule holds); the frontend traces and partitions the model into that many
+bidirectional schedule holds); the frontend captures and partitions the model into that many
 stages and measures them; their F/B/W durations (in ms, the cost model's unit) and stash bytes
 drive lowering, simulation and the memory figures, and the plan goes under plan.json's "model".
 """
@@ -57,9 +57,16 @@ def compile_model(
     evict: bool = False,
     mapping: str = "sequential",
     limit_in_bytes: bool = False,
+    device: str | None = None,
+    micro_batch_size: int | None = None,
+    *,
+    split_points: tuple[str, ...] | None = None,
 ) -> CompileResult:
-    """Trace and measure the model of `spec` for this schedule's layout, then compile
-    (`limit_in_bytes`: `memory_limit` is bytes of stash per rank, as measured)."""
+    """Capture and measure the model of `spec` for this schedule's layout, then compile
+    (`limit_in_bytes`: `memory_limit` is bytes of stash per rank, as measured; `device`: where
+    to measure it, default where the factory builds it; `micro_batch_size`: the factory's
+    micro-batches, see `load_factory`; `split_points`: the blocks where stages begin, instead
+    of `partition`)."""
     default = CostModel()
     costs = costs or default
     if (costs.F, costs.B, costs.W) != (default.F, default.B, default.W):
@@ -67,7 +74,7 @@ def compile_model(
     v = family(schedule).default_v if v is None else v
     family_limit = None if evict or limit_in_bytes else memory_limit
     layout = build_schedule(schedule, Request(p, m, v, costs, family_limit)).layout
-    model = model_plan(spec, layout, partition, profile)
+    model = model_plan(spec, layout, partition, profile, device, micro_batch_size, split_points)
     return compile_schedule(
         schedule,
         p,
@@ -83,9 +90,19 @@ def compile_model(
     )
 
 
-def model_plan(spec: str, layout: Layout, partition: str, profile: bool) -> dict:
-    """The frontend's plan (JSON) of `spec` cut into the chunks `layout` places."""
-    from pipec.frontend import FrontendError, build_model_plan  # torch: only with a model
+def model_plan(
+    spec: str,
+    layout: Layout,
+    partition: str,
+    profile: bool,
+    device: str | None = None,
+    micro_batch_size: int | None = None,
+    split_points: tuple[str, ...] | None = None,
+) -> dict:
+    """The frontend's plan (JSON) of `spec` cut into the chunks `layout` places, with where the
+    model comes from (`pipec.provenance.record`: a run checks it before training)."""
+    from pipec.frontend import FrontendError, build_model_plan, load_factory  # torch: only here
+    from pipec.provenance import record
 
     try:
         plan = build_model_plan(
@@ -95,10 +112,14 @@ def model_plan(spec: str, layout: Layout, partition: str, profile: bool) -> dict
             profile,
             v=layout.n_chunks // layout.p,
             replicas=layout.n_stages // layout.n_chunks,
+            device=device,
+            micro_batch_size=micro_batch_size,
+            split_points=split_points,
         )
+        factory = record(spec, load_factory(spec, plan.seed, micro_batch_size).model)
     except FrontendError as e:
         raise PipecError(str(e)) from None
-    return plan.to_json()
+    return plan.to_json() | {"factory": factory}
 
 
 def compile_model_torch_order(

@@ -53,7 +53,8 @@ def _run(rt: Rank, stage: int, mb: int, inputs: tuple[Tensor, ...], record: bool
 
 
 def _leaves(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """Stage inputs as autograd leaves: floating ones collect their gradient in .grad."""
+    """Stage inputs as autograd leaves: floating ones collect their gradient in .grad; integer
+    and bool ones (token ids, masks) are plain inputs."""
     return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in tensors)
 
 
@@ -111,8 +112,10 @@ def backward(rt: Rank, instr: Instr) -> None:
     if nxt is None:
         outputs, grads = list(stash.outputs), None
     else:
+        # Gradients come for the floating outputs only (Rank.boundary), in order.
         received = _incoming(rt, Kind.GRAD, nxt, mb)
-        pairs = [(o, g) for o, g in zip(stash.outputs, received) if o.requires_grad]
+        floating = [o for o in stash.outputs if o.is_floating_point()]
+        pairs = [(o, g) for o, g in zip(floating, received, strict=True) if o.requires_grad]
         outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
     module = rt.modules[s]
     held = 0

@@ -4,12 +4,14 @@
         HANDLERS[instr.op](rank, instr)
 
 plus what makes it measurable and safe: each instruction's start (after any wait for its
-input) and end, the live stash bytes after it, and the watchdog told where the rank is. The
-interpreter never reorders compute or sends; what overlaps is what the program posted
-(receives; on gloo all of a step's are posted at its start) or issued (sends, all-reduces)
-before. An op without a handler is refused before the run starts, naming
-the op and its line; an instruction that raises leaves the watchdog pointing at it, so the
-entry point's report names it and its line.
+input) and end; before one that allocates stash bytes, the stash moves out complete
+(`offload.settle`); after it, the sends that completed are let go (`Comm.poll`) and the memory is
+read: the stash counter and the meter's real bytes (runtime/meter.py); the watchdog is told
+where the rank is. The interpreter never reorders compute or sends; what overlaps is what the
+program issued before (sends, all-reduces) and the receives it posts ahead of their consumers
+(`post_points`). An op without a handler is refused before the run starts, naming the op and
+its line; an instruction that raises leaves the watchdog pointing at it, so the entry point's
+report names it and its line.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from passes.memory_bytes import ALLOCATES, post_points
 from pipec.ir import Instr, Op, PipecError
-from runtime import compute, grads, offload, p2p
+from runtime import clock, compute, grads, offload, p2p
 from runtime.faults import Watchdog
+from runtime.meter import Meter, model_state_bytes
 from runtime.rank import FIRST_INSTR_LINE, Rank
+from runtime.stash import tensors_nbytes
 
 Handler = Callable[[Rank, Instr], None]
 
@@ -63,56 +68,77 @@ def check_program(program: Sequence[Instr], handlers: Mapping[Op, Handler], sour
 
 @dataclass(frozen=True)
 class StepTrace:
-    """One execution of the program, times in seconds of time.perf_counter().
+    """One execution of the program, times in seconds of time.perf_counter() (on CUDA, when the
+    GPU ran each instruction, on the same axis: runtime/clock.py).
 
     start[k] is when instruction k began its own work (after waiting for its inputs);
     handler_s sums the handlers' durations, so wall_s - handler_s is the interpreter's own cost.
+    After instruction k: live[k] stash-counter bytes, real[k] the meter's real bytes.
+    real_peak is the step's real peak (on CUDA including peaks inside instructions) and
+    state_at_peak the parameters, gradients and optimizer state alive at the highest sample.
     """
 
     begin: float
     start: tuple[float, ...]
     end: tuple[float, ...]
     live: tuple[int, ...]
+    real: tuple[int, ...]
+    real_peak: int
+    state_at_peak: int
     wall_s: float
     handler_s: float
-
-
-RECEIVES = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
 
 
 def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) -> StepTrace:
     """Execute the rank's program once (one training step).
 
-    With `comm.post_early` (gloo), the step's activation and gradient receives are all posted
-    first, in program order: a gloo send whose receive is not posted yet waits for the
-    receiver's notice to reach the *sender's* I/O thread, which a computing sender leaves
-    without a core for milliseconds. Posting has no dependencies and gloo matches by tag, so
-    the order of compute and sends is unchanged; the cost is the buffers of the step's
-    not-yet-consumed inputs.
+    Receives are posted where `post_points` says for `comm.post_ahead`: on gloo all of a
+    step's at its start, since a gloo send whose receive is not posted waits for the
+    receiver's notice, which a computing receiver delays by milliseconds; with NCCL at their
+    program positions, the issue order it matches by. Posting has no dependencies and gloo
+    matches by tag, so the order of compute and sends is unchanged; the cost is each buffer
+    from its posting to its consumer, which the prediction counts.
     """
     program, comm = rt.program, rt.comm
+    if rt.meter is None:
+        rt.meter = Meter(rt.device)
+    meter = rt.meter
     n = len(program)
-    begun, start, end, live = [0.0] * n, [0.0] * n, [0.0] * n, [0] * n
-    now = time.perf_counter
+    begun, start, end = [0.0] * n, [0.0] * n, [0.0] * n
+    live, real = [0] * n, [0] * n
+    posts = post_points(program, comm.post_ahead)
+    ahead = {j for js in posts.values() for j in js}
+    now, timer = time.perf_counter, clock.clock_for(rt.device, n)  # runtime/clock.py: CUDA
+    params = rt.parameters()
+    best, state = -1, 0
     comm.pop_waited()
-    t_begin = now()
-    early = [k for k, i in enumerate(program) if i.op in RECEIVES] if comm.post_early else []
-    for k in early:
-        t0 = now()
-        watchdog.enter(k, t0)
-        handlers[program[k].op](rt, program[k])
-        begun[k], start[k], end[k] = t0, t0, now()
-    skip = frozenset(early)
+    at_start = model_state_bytes(params, rt.optimizer)  # no gradients yet: zeroed to None
+    meter.start_step(at_start)
+    t_begin = timer.begin()
     for k, instr in enumerate(program):
-        if k in skip:
-            live[k] = rt.live
-            continue
-        t0 = now()
-        watchdog.enter(k, t0)
-        handlers[instr.op](rt, instr)
-        t1 = now()
-        begun[k], start[k], end[k], live[k] = t0, t0 + comm.pop_waited(), t1, rt.live
+        comm.clock += 1
+        for j in posts.get(k, ()):
+            t0 = timer.start(j)
+            watchdog.enter(j, t0)
+            handlers[program[j].op](rt, program[j])
+            begun[j], start[j], end[j] = t0, t0, timer.end(j)
+        if k not in ahead:
+            t0 = timer.start(k)
+            watchdog.enter(k, t0)
+            if instr.op in ALLOCATES:
+                offload.settle(rt)
+            handlers[instr.op](rt, instr)
+            t1 = timer.end(k)
+            begun[k], start[k], end[k] = t0, t0 + comm.pop_waited(), t1
+        comm.poll()
+        live[k] = rt.live
+        real[k] = sample = meter.read()
+        if sample > best:
+            grads = [p.grad for p in params if p.grad is not None]
+            best, state = sample, at_start + (tensors_nbytes(grads) if grads else 0)
     watchdog.leave()
-    wall = now() - t_begin
     handler = sum(e - b for b, e in zip(begun, end))
-    return StepTrace(t_begin, tuple(start), tuple(end), tuple(live), wall, handler)
+    start, end = timer.finish(t_begin, start, end)  # on CUDA: when the GPU ran each one
+    wall = now() - t_begin
+    peak = meter.step_peak(real)
+    return StepTrace(t_begin, start, end, tuple(live), tuple(real), peak, state, wall, handler)

@@ -1,13 +1,18 @@
-"""What a run measured, beside what the simulator predicted: timeline, bubble, peak stash bytes.
+"""What a run measured, beside what the simulator predicted: timeline, bubble, peak bytes.
 
 Each rank turns its step traces into a `RankReport` (times in ms from the step's start, which
 every rank takes right after a barrier); rank 0 gathers them and writes OUT/measured/:
 
     timeline.json  the last step as a Perfetto trace, the same format as OUT/timeline.json,
-                   plus each rank's live stash bytes as a counter track
-    stats.json     per step and median: iteration time, makespan, bubble; per rank: peak stash
-                   bytes (measured by the saved-tensor hooks, all steps), busy, interpreter
-                   overhead per instruction; and the simulator's figures for the same programs
+                   plus each rank's memory as a counter track: real bytes (the meter,
+                   runtime/meter.py) and the stash counter
+    stats.json     per step and median: iteration time, makespan, bubble; per rank: the real
+                   peak bytes (the meter's, highest over the measured steps) and the
+                   parameters, gradients and optimizer state alive at that peak; the stash
+                   counter's peak (the bytes the runtime books for stashes: autograd's saved
+                   tensors, what moved by EVICT/LOAD, accepted and deferred-W bytes, all
+                   steps); busy time, interpreter overhead per instruction; and the
+                   simulator's figures for the same programs. `device` says which meter read it.
 
 Bubble is the simulator's definition, 1 - sum(busy) / (ranks * makespan), with busy the compute
 instructions' time after their inputs arrived and makespan from the first compute start to the
@@ -22,9 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from codegen.render import chrome_trace, dump_json
+from passes.costs import CostModel
+from passes.memory_bytes import (
+    GLOO_RECV_HOST_BYTES,
+    ByteFacts,
+    RankBytes,
+    post_ahead,
+    predict_peaks,
+)
 from passes.simulate import SimResult, Slot
-from pipec.ir import COMPUTE_OPS, Instr
+from pipec.ir import COMPUTE_OPS, Compiled, Instr, Op
 from runtime.interpreter import StepTrace
+from runtime.meter import stash_extras
 
 MS = 1000.0
 
@@ -38,13 +52,16 @@ class RankReport:
     instructions: int
     steps: tuple[tuple[float, float, float, float], ...]
     """Per step: wall, busy, first compute start, last compute end (ms from the step start)."""
+    memory: tuple[tuple[int, int], ...]
+    """Per step: real peak bytes, and the parameters, gradients and optimizer state at it."""
     slots: tuple[tuple[Instr, float, float], ...]  # the last step's compute instructions
-    live: tuple[tuple[float, int], ...]  # the last step's live stash bytes after each instr
+    live: tuple[tuple[float, int, int], ...]  # last step, after each instr: time, counter, real
     overhead_us: float  # median over steps of the interpreter's own time per instruction
+    device: str  # "cpu" or "cuda": which meter read the real bytes
 
 
 def rank_report(
-    rank: int, program: tuple[Instr, ...], peak: int, traces: list[StepTrace]
+    rank: int, program: tuple[Instr, ...], peak: int, traces: list[StepTrace], device: str
 ) -> RankReport:
     steps = []
     for t in traces:
@@ -63,9 +80,10 @@ def rank_report(
         for k, i in enumerate(program)
         if i.op in COMPUTE_OPS
     )
-    live = tuple(((t.end[k] - t.begin) * MS, t.live[k]) for k in range(len(program)))
+    live = tuple(((t.end[k] - t.begin) * MS, t.live[k], t.real[k]) for k in range(len(program)))
     overhead = statistics.median((x.wall_s - x.handler_s) / len(program) * 1e6 for x in traces)
-    return RankReport(rank, peak, len(program), tuple(steps), slots, live, overhead)
+    memory = tuple((x.real_peak, x.state_at_peak) for x in traces)
+    return RankReport(rank, peak, len(program), tuple(steps), memory, slots, live, overhead, device)
 
 
 def summarize(reports: list[RankReport], sim: SimResult, cost_source: str, skip: int) -> dict:
@@ -84,9 +102,12 @@ def summarize(reports: list[RankReport], sim: SimResult, cost_source: str, skip:
     ranks = []
     for r in reports:
         s = sim.ranks[r.rank % P]
+        real, state = max(r.memory[k] for k in kept)
         ranks.append(
             {
                 "rank": r.rank,
+                "real_peak_bytes": real,
+                "model_state_at_peak_bytes": state,
                 "peak_stash_bytes": r.peak_stash_bytes,
                 "simulated_peak_stash_bytes": s.peak_stash_bytes,
                 "busy_ms": statistics.median(r.steps[k][1] for k in kept),
@@ -96,6 +117,7 @@ def summarize(reports: list[RankReport], sim: SimResult, cost_source: str, skip:
             }
         )
     return {
+        "device": reports[0].device,
         "steps": n,
         "steps_measured": len(per_step),
         "measured": median,
@@ -110,10 +132,13 @@ def summarize(reports: list[RankReport], sim: SimResult, cost_source: str, skip:
 
 
 def timeline(reports: list[RankReport], title: str) -> dict:
-    """The last step as a Perfetto trace (the simulated timeline's format) with stash counters."""
+    """The last step as a Perfetto trace (the simulated timeline's format) with memory counters."""
     origin = min((s for r in reports for _, s, _ in r.slots), default=0.0)
     slots = [[Slot(i, s - origin, e - origin) for i, s, e in r.slots] for r in reports]
-    counters = [[(t - origin, b) for t, b in r.live] for r in reports]
+    counters = [
+        [(t - origin, {"real bytes": real, "stash counter bytes": b}) for t, b, real in r.live]
+        for r in reports
+    ]
     return chrome_trace(slots, f"{title} (measured)", counters)
 
 
@@ -121,3 +146,34 @@ def write(out: Path, stats: dict, trace: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "stats.json").write_text(dump_json(stats))
     (out / "timeline.json").write_text(json.dumps(trace, sort_keys=True))
+
+
+def predicted_peaks(
+    plan: dict, compiled: Compiled, costs: CostModel, sim: SimResult, device: str
+) -> tuple[RankBytes, ...]:
+    """The prediction (passes/memory_bytes.py) for a run on `device` (gloo's receive policy on
+    CPU, NCCL's on CUDA). On CPU it runs the model once per chunk for what the meter sees
+    beyond the frontend's stash bytes (`stash_extras`): autograd's host bytes and, with the
+    B/W split, what W holds; and it counts each posted gloo receive's host bytes. On CUDA
+    none of these: host bytes are not device bytes, and building the whole model on the host
+    is what a GPU run avoids; W then holds the simulator's share."""
+    facts = ByteFacts.from_plan(plan)
+    if device == "cpu":
+        split = any(i.op in (Op.B, Op.W) for program in compiled.programs for i in program)
+        extras = stash_extras(plan, split)
+        facts = ByteFacts.from_plan(plan, extras.host, extras.w_held, GLOO_RECV_HOST_BYTES)
+    backend = "gloo" if device == "cpu" else "nccl"
+    return predict_peaks(compiled.layout, compiled.programs, costs, sim, facts, post_ahead(backend))
+
+
+def memory_rows(peaks: tuple[RankBytes, ...], stats: dict | None) -> list[dict]:
+    """Per rank: predicted peak bytes (and terms) and, after a run, the real peak and the
+    ratio real / predicted (`pipec show`'s table and --json)."""
+    rows = []
+    for r, peak in enumerate(peaks):
+        row = {"rank": r, "predicted_peak_bytes": peak.total, "predicted": peak.to_json()}
+        if stats is not None:
+            real = stats["ranks"][r]["real_peak_bytes"]
+            row |= {"real_peak_bytes": real, "ratio": real / peak.total}
+        rows.append(row)
+    return rows

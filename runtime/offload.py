@@ -1,12 +1,22 @@
 """BPipe's memory ops: EVICT/LOAD on the evictor, ACCEPT/RETURN on the acceptor.
 
-EVICT packs the stash's saved tensors into one flat byte buffer (runtime/stash.py), sends its
-size and then the buffer to the acceptor (non-blocking) and drops them here. ACCEPT waits for
-the size, then posts the receive of the buffer and holds it. RETURN sends the held buffer back
-and forgets it. LOAD posts the receive of the buffer coming back; the backward (or RECOMPUTE)
-that needs the stash waits for it and rebuilds the saved tensors. The memory meter counts the
-buffer on whichever rank holds it. A forward that will be recomputed kept only its inputs:
-those are what EVICT moves, and LOAD brings them back before RECOMPUTE.
+Both sides know a stash's size from the plan: the flat buffer holds the stash's storages back
+to back, so it is exactly the stage's measured stash bytes (its input bytes when the forward is
+recomputed, see `buffer_bytes`). EVICT packs the stash into that buffer (runtime/stash.py),
+frees the stash's storages here and sends the buffer (non-blocking; the buffer goes as soon as
+the send completes). ACCEPT allocates the buffer and posts its receive; RETURN sends it back,
+and the acceptor holds it until that send completes. LOAD allocates a buffer and posts the
+receive of the stash coming back; the backward (or RECOMPUTE) that needs it waits, refills the
+stash's storages from it and drops it, so a loaded buffer lives from its LOAD to its backward.
+A forward that will be recomputed kept only its inputs: those are what EVICT moves.
+
+A move out completes only once the partner has posted its half (ACCEPT, LOAD). So that the
+bytes a rank gave away are gone before it takes new ones, a rank waits for its moves out to
+complete before any instruction that allocates stash bytes (`ALLOCATES`, defined beside the
+prediction that models it; the interpreter calls `settle`). The verifier proves the programs
+deadlock-free with every stash move blocking until its partner arrives, so this weaker wait
+cannot deadlock; it costs time only where the partner is late, and it makes the memory limit
+a bound on the real bytes.
 """
 
 from __future__ import annotations
@@ -15,12 +25,31 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipec.ir import Instr
+from pipec.ir import Instr, Op
 from runtime.p2p import Kind
-from runtime.stash import SavedTensors, Stash
+from runtime.stash import SavedTensors, Stash, storage_key
 
 if TYPE_CHECKING:
     from runtime.rank import Rank
+
+
+_MOVES_OUT = frozenset({Kind.STASH, Kind.STASH_BACK})
+
+
+def settle(rt: Rank) -> None:
+    """Wait for this rank's stash moves out (EVICT's and RETURN's sends) to complete."""
+    if any(out.key[0] in _MOVES_OUT for out in rt.comm.in_flight):
+        rt.comm.complete(_MOVES_OUT)
+
+
+def buffer_bytes(rt: Rank, stage: int, mb: int) -> int:
+    """Bytes of (stage, mb)'s flat stash buffer, from the plan: what the evictor packs and the
+    acceptor allocates, without a message saying it."""
+    chunk = rt.layout.stage_chunk[stage]
+    evictor = rt.build.compiled.programs[rt.layout.stage_rank[stage]]
+    recomputed = Instr(Op.RECOMPUTE, stage, mb) in evictor
+    facts = rt.build.costs.input_bytes if recomputed else rt.build.costs.stash_bytes
+    return int(facts[chunk])
 
 
 def _stash(rt: Rank, instr: Instr) -> Stash:
@@ -32,32 +61,39 @@ def _stash(rt: Rank, instr: Instr) -> Stash:
 
 def _moved(stash: Stash) -> SavedTensors:
     """What EVICT moves: autograd's saved tensors, or the inputs of a forward that ran without
-    autograd (to be recomputed), held as saved tensors until they are back."""
+    autograd (to be recomputed)."""
     if stash.saved is None:
         stash.saved = SavedTensors(frozenset())
         for x in stash.inputs:
             stash.saved.pack(x)
-        stash.inputs = ()
     return stash.saved
 
 
+def _still_read(rt: Rank) -> set[int]:
+    """Storages something on this rank may still read before the stash is loaded back: the
+    micro-batches' data, tensors waiting for a SEND or a local stage, sends in flight."""
+    held = [t for inputs, target in rt.batch_cache.values() for t in (*inputs, target)]
+    held += [t for box in (rt.outbox, rt.local) for ts in box.values() for t in ts]
+    held += [t for out in rt.comm.in_flight for t in out.tensors]
+    return {storage_key(t) for t in held}
+
+
 def evict(rt: Rank, instr: Instr) -> None:
-    stash = _stash(rt, instr)
-    buffer = _moved(stash).evict()
-    stash.evicted_size = buffer.numel()
-    size = torch.tensor([buffer.numel()], dtype=torch.int64, device=rt.device)
-    rt.comm.send(Kind.STASH_SIZE, instr.stage, instr.mb, instr.peer, [size])
-    rt.comm.send(Kind.STASH, instr.stage, instr.mb, instr.peer, [buffer])
-    rt.account(-stash.saved.nbytes)
+    """EVICT: pack the stash, free it here, send the buffer to the acceptor."""
+    s, mb = instr.stage, instr.mb
+    saved = _moved(_stash(rt, instr))
+    buffer = saved.evict(buffer_bytes(rt, s, mb), keep=_still_read(rt))
+    rt.comm.send(Kind.STASH, s, mb, instr.peer, [buffer])
+    rt.account(-saved.nbytes)
 
 
 def accept(rt: Rank, instr: Instr) -> None:
+    """ACCEPT: allocate the partner's stash buffer and post its receive."""
     s, mb = instr.stage, instr.mb
-    size = torch.empty(1, dtype=torch.int64, device=rt.device)
-    rt.comm.post(Kind.STASH_SIZE, s, mb, instr.peer, [size])
-    n = int(rt.comm.take(Kind.STASH_SIZE, s, mb)[0].item())
-    buffer = torch.empty(n, dtype=torch.uint8, device=rt.device)
-    rt.comm.post(Kind.STASH, s, mb, instr.peer, [buffer])
+    n = buffer_bytes(rt, s, mb)
+    rt.comm.post(
+        Kind.STASH, s, mb, instr.peer, [torch.empty(n, dtype=torch.uint8, device=rt.device)]
+    )
     rt.held[(s, mb)] = n
     rt.account(n)
 
@@ -71,17 +107,18 @@ def give_back(rt: Rank, instr: Instr) -> None:
 
 
 def load(rt: Rank, instr: Instr) -> None:
+    """LOAD: post the receive of the stash coming back (the backward waits for it)."""
+    s, mb = instr.stage, instr.mb
     stash = _stash(rt, instr)
-    buffer = torch.empty(stash.evicted_size, dtype=torch.uint8, device=rt.device)
-    rt.comm.post(Kind.STASH_BACK, instr.stage, instr.mb, instr.peer, [buffer])
+    buffer = torch.empty(buffer_bytes(rt, s, mb), dtype=torch.uint8, device=rt.device)
+    rt.comm.post(Kind.STASH_BACK, s, mb, instr.peer, [buffer])
     stash.loading = True
     rt.account(stash.saved.nbytes)
 
 
 def finish_load(rt: Rank, stage: int, mb: int, stash: Stash) -> None:
-    """Wait for a loaded stash and rebuild its saved tensors (before their first use)."""
+    """Wait for a loaded stash and refill its storages (before their first use)."""
     stash.saved.restore(rt.comm.take(Kind.STASH_BACK, stage, mb)[0])
     stash.loading = False
-    if stash.outputs is None:  # not recomputed yet: what came back are its inputs
-        stash.inputs = tuple(h.tensor for h in stash.saved.handles)
+    if stash.outputs is None:  # not recomputed yet: the inputs are back, nothing is saved
         stash.saved = None

@@ -19,11 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from passes.memory_bytes import post_ahead
 from pipec.build_dir import Build, rank_file
 from pipec.frontend import FrontendError, ModelSpec, build_stages, load_factory
 from pipec.ir import Instr, Op, PipecError
 from runtime.bwsplit import split_backward
-from runtime.data import micro_batch
+from runtime.data import MicroBatch, Stream, Synthetic, open_source
+from runtime.meter import Meter
 from runtime.p2p import Comm
 from runtime.stash import Stash, storage_key
 
@@ -31,6 +33,23 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 #: Line of instruction k in a .pipe file: a title line and a header line come first.
 FIRST_INSTR_LINE = 3
+
+
+def check_runnable(build: Build, world: int) -> None:
+    """Raise PipecError unless `build` has a model and its P·D ranks are `world`."""
+    plan, c = build.plan, build.compiled
+    if plan.get("model") is None:
+        raise PipecError(
+            f"{build.path}: compiled without a model; recompile with "
+            "`pipec compile MODEL ...` to run it"
+        )
+    dp = int(plan.get("dp", 1))
+    if world != c.world * dp:
+        raise PipecError(
+            f"{build.path}: the plan has {c.world} pipeline ranks x {dp} data-parallel copies "
+            f"= {c.world * dp} ranks, but this run has {world}; launch with "
+            f"--nproc-per-node {c.world * dp}"
+        )
 
 
 @dataclass
@@ -47,7 +66,7 @@ class Rank:
     param_keys: dict[int, frozenset[int]]
     split: bool
     recomputed: frozenset[tuple[int, int]]
-    spec: ModelSpec  # loss_fn and the example micro-batch (for the synthetic data)
+    spec: ModelSpec  # loss_fn, the example micro-batch and the data
     data_seed: int = 0
     evicted: frozenset[tuple[int, int]] = frozenset()  # stashes the program EVICTs
     fused: frozenset[tuple[int, int]] = frozenset()  # split stages' (s, mb) with a fused BW
@@ -64,10 +83,12 @@ class Rank:
     reductions: list[tuple[object, Tensor, list[nn.Parameter]]] = field(default_factory=list)
     synced: set[int] = field(default_factory=set)
     losses: dict[int, float] = field(default_factory=dict)
-    batch_cache: dict[int, tuple[tuple[Tensor, ...], Tensor]] = field(default_factory=dict)
+    batch_cache: dict[int, MicroBatch] = field(default_factory=dict)  # this step's; see batch
     stash_sizes: dict[tuple[int, int], int] = field(default_factory=dict)  # measured once
     live: int = 0
     peak: int = 0
+    data: Synthetic | Stream | None = None  # opened by the first `batch` unless set
+    meter: Meter | None = None  # real bytes; made at the first step (runtime/interpreter.py)
 
     @property
     def layout(self):
@@ -118,27 +139,37 @@ class Rank:
         self.live += nbytes
         self.peak = max(self.peak, self.live)
 
-    def batch(self, mb: int) -> tuple[tuple[Tensor, ...], Tensor]:
-        """Inputs and target of this copy's micro-batch `mb`, on this rank's device."""
-        if mb not in self.batch_cache:
-            inputs, target = micro_batch(
-                self.spec, self.dp_index * self.layout.m + mb, self.data_seed
-            )
-            self.batch_cache[mb] = (
-                tuple(x.to(self.device) for x in inputs),
-                target.to(self.device),
-            )
+    def batch(self, mb: int) -> MicroBatch:
+        """Inputs and target of this copy's micro-batch `mb` of this step, on this rank's device.
+
+        The step's global batch is read at the first call of the step (`new_step` forgets the
+        last one): only ranks holding a first or last stage ever read data.
+        """
+        if not self.batch_cache:
+            m = self.layout.m
+            if self.data is None:
+                self.data = open_source(self.spec, m * self.dp, self.data_seed)
+            mine = self.data.next()[self.dp_index * m : (self.dp_index + 1) * m]
+            self.batch_cache = {
+                i: (tuple(x.to(self.device) for x in inputs), target.to(self.device))
+                for i, (inputs, target) in enumerate(mine)
+            }
         return self.batch_cache[mb]
 
+    def new_step(self) -> None:
+        """Forget the last step's batch: the next `batch` call reads the next one."""
+        self.batch_cache = {}
+
     def boundary(self, stage: int, which: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """Shapes and dtypes of a stage's floating `inputs` or `outputs` (what p2p carries)."""
+        """Shapes and dtypes of what p2p receives for a stage: its `inputs` (activations, every
+        dtype: hidden states, int64 ids, bool masks) or the gradients of its `outputs` (the
+        floating ones only; integer and bool values have no gradient)."""
         chunk = self.layout.stage_chunk[stage]
         facts = self.build.plan["model"]["stages"][chunk][which]
-        return [
-            (tuple(t["shape"]), getattr(torch, t["dtype"]))
-            for t in facts
-            if getattr(torch, t["dtype"]).is_floating_point
-        ]
+        described = [(tuple(t["shape"]), getattr(torch, t["dtype"])) for t in facts]
+        if which == "inputs":
+            return described
+        return [(shape, dtype) for shape, dtype in described if dtype.is_floating_point]
 
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter this rank holds, each once (stages on one rank may share one)."""
@@ -168,20 +199,8 @@ class Rank:
         Raises PipecError (nothing has been communicated yet) when the build has no model,
         when the world size is not P·D, or when the model no longer matches the plan.
         """
-        plan, c = build.plan, build.compiled
-        model_plan = plan.get("model")
-        if model_plan is None:
-            raise PipecError(
-                f"{build.path}: compiled without a model; recompile with "
-                "`pipec compile MODEL ...` to run it"
-            )
-        dp = int(plan.get("dp", 1))
-        if world != c.world * dp:
-            raise PipecError(
-                f"{build.path}: the plan has {c.world} pipeline ranks x {dp} data-parallel copies "
-                f"= {c.world * dp} ranks, but this run has {world}; launch with "
-                f"--nproc-per-node {c.world * dp}"
-            )
+        check_runnable(build, world)
+        c, model_plan = build.compiled, build.plan["model"]
         rank, dp_index = grank % c.world, grank // c.world
         program = c.programs[rank]
         layout = c.layout
@@ -193,9 +212,12 @@ class Rank:
                 mine = [s for s in pipeline.stages if layout.stage_rank[s] == rank]
                 if mine:
                     chunks = [layout.stage_chunk[s] for s in mine]
-                    for s, module in zip(mine, build_stages(spec, model_plan, chunks)):
+                    built = build_stages(spec, model_plan, chunks, device=device)
+                    for s, module in zip(mine, built):
                         modules[s] = module.to(device)
-            factory = load_factory(spec or model_plan["spec"], model_plan["seed"])
+            factory = load_factory(
+                spec or model_plan["spec"], model_plan["seed"], model_plan.get("micro_batch_size")
+            )
         except FrontendError as e:
             raise PipecError(str(e)) from None
         split = any(i.op in (Op.B, Op.W) for i in program)
@@ -233,8 +255,8 @@ class Rank:
             self.layout.m,
             timeout,
             # NCCL matches in issue order on one stream per peer: keep the program's positions
-            post_early=dist.get_backend() == "gloo",
-            send_thread=dist.get_backend() == "gloo",
+            post_ahead=post_ahead(dist.get_backend()),
+            lanes=dist.get_backend() == "gloo",
         )
         dp_groups = [[d * c.world + r for d in range(self.dp)] for r in range(c.world)]
         for r, ranks in enumerate(dp_groups):

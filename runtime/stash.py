@@ -3,19 +3,24 @@
 The forward of (stage, mb) runs under `saved_tensors_hooks(saved.pack, saved.unpack)`, so every
 tensor autograd keeps for the backward goes through a `Handle`. That gives the runtime:
 - the stash's bytes (each storage once, parameters excluded: the frontend's measure), and
-- BPipe's eviction: `evict()` packs the saved storages into one flat byte buffer to send away
-  and drops them here; `restore(buffer)` rebuilds every saved tensor (views included) from the
-  buffer that came back, before the backward unpacks them.
+- BPipe's eviction: `evict()` copies the saved storages, back to back, into one flat byte
+  buffer to send away and frees them here by shrinking each storage to zero bytes;
+  `restore(buffer)` grows them back and copies the bytes in, before the backward unpacks them.
+
+Shrinking the storage, rather than dropping our references to its tensors, is what makes the
+memory go away for real: autograd's graph keeps the stage inputs alive (their AccumulateGrad
+nodes hold the leaves), the stash keeps its outputs, views share storages, and none of that
+matters to a storage of zero bytes. Every tensor keeps its identity, so the backward after the
+restore is the one autograd recorded.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-_ALIGN = 16  # bytes; every storage starts aligned in the flat buffer, so any dtype can view it
 
 
 def storage_key(t: Tensor) -> int:
@@ -24,21 +29,18 @@ def storage_key(t: Tensor) -> int:
 
 
 class Handle:
-    """One saved tensor; while its stash is evicted, where to rebuild it from in the buffer."""
+    """One saved tensor."""
 
-    __slots__ = ("tensor", "view")
+    __slots__ = ("tensor",)
 
     def __init__(self, tensor: Tensor) -> None:
-        self.tensor: Tensor | None = tensor
-        # (storage key, dtype, size, stride, storage offset), taken when evicted
-        self.view: tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], int] | None = None
+        self.tensor = tensor
 
 
 class SavedTensors:
     """The tensors autograd saved in one forward; `pack`/`unpack` are the hooks.
 
-    `pack` runs for every saved tensor of every forward, so it only counts storages; the
-    layout of each view is taken when (and if) the stash is evicted.
+    `pack` runs for every saved tensor of every forward, so it only counts storages.
     """
 
     def __init__(self, param_keys: frozenset[int]) -> None:
@@ -46,7 +48,8 @@ class SavedTensors:
         self.handles: list[Handle] = []
         self.nbytes = 0
         self._sizes: dict[int, int] = {}  # storage key -> bytes, non-parameter storages
-        self._offsets: dict[int, int] = {}  # while evicted: storage key -> byte offset in buffer
+        self._storages: list[tuple[torch.UntypedStorage, int]] = []  # while evicted: (freed, bytes)
+        self.evicted = False
 
     def pack(self, t: Tensor) -> Handle:
         storage = t.untyped_storage()
@@ -54,59 +57,68 @@ class SavedTensors:
         if key not in self._sizes and key not in self.param_keys:
             self._sizes[key] = n = storage.nbytes()
             self.nbytes += n
-        h = Handle(t)
+        # Detached: a saved output would otherwise hold its own grad_fn through the handle, a
+        # reference cycle that keeps the whole graph (and the inputs' gradients) alive until
+        # the garbage collector runs. Autograd restores the history when it unpacks.
+        h = Handle(t.detach())
         self.handles.append(h)
         return h
 
-    @staticmethod
-    def unpack(h: Handle) -> Tensor:
-        if h.tensor is None:
+    def unpack(self, h: Handle) -> Tensor:
+        if self.evicted:
             raise RuntimeError("a stash was used while evicted (LOAD missing before its backward)")
         return h.tensor
 
-    def evict(self) -> Tensor:
-        """One flat uint8 buffer holding every non-parameter storage; drops them here."""
-        storages: dict[int, Tensor] = {}
-        moved = []
+    def storages(self) -> dict[int, torch.UntypedStorage]:
+        """Every non-parameter storage, each once, in first-saved order (the buffer's layout)."""
+        out: dict[int, torch.UntypedStorage] = {}
         for h in self.handles:
-            t = h.tensor
-            assert t is not None, "stash evicted twice"
-            key = storage_key(t)
-            if key in self.param_keys:
-                continue
-            storages.setdefault(key, _bytes_of(t))
-            h.view = (key, t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
-            moved.append(h)
-        offset = 0
-        for key, b in storages.items():
-            self._offsets[key] = offset
-            offset += -(-b.numel() // _ALIGN) * _ALIGN
+            storage = h.tensor.untyped_storage()
+            key = storage._cdata
+            if key not in self.param_keys:
+                out.setdefault(key, storage)
+        return out
+
+    def evict(self, size: int, keep: Iterable[int] = ()) -> Tensor:
+        """The non-parameter storages packed back to back into a uint8 buffer of `size` bytes
+        (the plan's stash bytes, known to the acceptor too); each is then freed here, except
+        those in `keep` (storage keys something else on this rank still reads before LOAD)."""
+        assert not self.evicted, "stash evicted twice"
+        storages = self.storages()
+        packed = sum(s.nbytes() for s in storages.values())
+        if packed != size:
+            raise RuntimeError(
+                f"the stash holds {packed} bytes at run time, the plan measured {size}: the "
+                "model changed since compiling; recompile"
+            )
         device = next(iter(storages.values())).device if storages else torch.device("cpu")
-        buffer = torch.empty(offset, dtype=torch.uint8, device=device)
-        for key, b in storages.items():
-            buffer[self._offsets[key] : self._offsets[key] + b.numel()] = b
-        for h in moved:
-            h.tensor = None
+        buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        offset, kept = 0, frozenset(keep)
+        for key, storage in storages.items():
+            n = storage.nbytes()
+            buffer[offset : offset + n] = _as_bytes(storage)
+            offset += n
+            if key not in kept:
+                storage.resize_(0)
+            self._storages.append((storage, n))
+        self.evicted = True
         return buffer
 
     def restore(self, buffer: Tensor) -> None:
-        """Rebuild the saved tensors from the buffer `evict` produced (sent back to us)."""
-        storage = buffer.untyped_storage()
-        for h in self.handles:
-            if h.view is None:
-                continue  # a parameter: never left
-            key, dtype, size, stride, offset = h.view
-            start = self._offsets[key] // torch.empty((), dtype=dtype).element_size() + offset
-            h.tensor = torch.empty(0, dtype=dtype, device=buffer.device).set_(
-                storage, start, size, stride
-            )
-            h.view = None
-        self._offsets.clear()
+        """Refill every storage `evict` packed from the buffer it produced (sent back to us)."""
+        offset = 0
+        for storage, n in self._storages:
+            if storage.nbytes() != n:
+                storage.resize_(n)
+            _as_bytes(storage).copy_(buffer[offset : offset + n])
+            offset += n
+        self._storages.clear()
+        self.evicted = False
 
 
-def _bytes_of(t: Tensor) -> Tensor:
-    """The whole storage under `t` as a 1-D uint8 tensor (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+def _as_bytes(storage: torch.UntypedStorage) -> Tensor:
+    """The whole storage as a 1-D uint8 tensor (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def tensors_nbytes(tensors: list[Tensor] | tuple[Tensor, ...]) -> int:
@@ -118,7 +130,7 @@ def tensors_nbytes(tensors: list[Tensor] | tuple[Tensor, ...]) -> int:
 class Stash:
     """What (stage, mb) keeps from F to its backward.
 
-    `nbytes` is what the memory meter counts for it: autograd's saved tensors (each storage
+    `nbytes` is what the stash counter counts for it: autograd's saved tensors (each storage
     once, parameters excluded), or the stage inputs alone when the forward is recomputed.
     """
 
@@ -126,5 +138,4 @@ class Stash:
     outputs: tuple[Tensor, ...] | None
     saved: SavedTensors | None
     nbytes: int
-    evicted_size: int = 0  # bytes of the flat buffer while evicted
     loading: bool = False  # LOAD posted, buffer not restored yet

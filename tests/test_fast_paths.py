@@ -7,6 +7,7 @@ import pytest
 
 from codegen import render
 from codegen.render import chrome_trace, render_svg, trace_json
+from pipec.build_dir import chart_facts
 from pipec.ir import Instr, Op, op_kinds
 from tests.helpers import run
 
@@ -26,19 +27,20 @@ def test_timeline_json_holds_the_trace_events(name, p, m, costs):
 
 
 def test_large_svg_is_drawn_per_pixel_column(monkeypatch):
-    sim = run("1f1b", 8, 32).sim
+    result = run("1f1b", 8, 32)
+    sim, facts = result.sim, chart_facts(result)
     n_ops = sum(len(slots) for slots in sim.timeline)
-    boxes = re.compile(r'<rect class="(\w+)" x="[\d.]+" y="(\d+)"')
-    small = render_svg(sim, "t")
-    assert len(boxes.findall(small)) == n_ops + 2  # one box per op, two legend swatches
+    boxes = re.compile(r'<rect class="(F|BW)" x="[\d.]+" y="(\d+)" width="[\d.]+" height="18"')
+    small = render_svg(sim, "t", facts)
+    assert len(boxes.findall(small)) == n_ops  # one box per op
     monkeypatch.setattr(render, "SVG_MAX_BOXES", n_ops - 1)
-    large = render_svg(sim, "t")
-    drawn = boxes.findall(large)[:-2]
-    assert f"({n_ops} ops, drawn per pixel column" in large
+    large = render_svg(sim, "t", facts)
+    drawn = boxes.findall(large)
+    assert f"{n_ops} ops, drawn per pixel column" in large
     assert 8 <= len(drawn) < n_ops  # at least one run per rank, fewer boxes than ops
     assert {kind for kind, _ in drawn} == {"F", "BW"}
     assert len({y for _, y in drawn}) == 8  # every rank has boxes
-    widths = [int(w) for w in re.findall(r'width="(\d+)" height', large)]
+    widths = [int(w) for w in re.findall(r'width="(\d+)" height="18"/>', large)]
     assert sum(widths) <= 8 * (render.SVG_WIDTH - render.LEFT)  # no more than the chart holds
 
 

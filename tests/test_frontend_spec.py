@@ -68,3 +68,8 @@ def test_model_spec_checks_its_fields():
         ModelSpec(model, torch.zeros(2), torch.zeros(2), torch.nn.functional.mse_loss)
     with pytest.raises(FrontendError, match="must be an nn.Module"):
         ModelSpec("model", (torch.zeros(2),), torch.zeros(2), torch.nn.functional.mse_loss)
+    x, loss = (torch.zeros(2),), torch.nn.functional.mse_loss
+    with pytest.raises(FrontendError, match="capture='jit'; use one of auto, export, fx"):
+        ModelSpec(model, x, x[0], loss, capture="jit")
+    with pytest.raises(FrontendError, match="split_points must be a tuple of module names"):
+        ModelSpec(model, x, x[0], loss, split_points="layers.4")  # type: ignore[arg-type]

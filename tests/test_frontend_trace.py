@@ -1,13 +1,13 @@
-"""Tracing: the examples trace with attention as one node; untraceable models get one-line
-errors."""
+"""Capture: the examples trace with attention as one node; what torch.fx cannot trace goes
+through torch.export; models neither can capture get one-line errors."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipec.frontend import FrontendError, ModelSpec, load_factory
-from pipec.frontend.trace import trace
+from pipec.frontend import FrontendError, ModelSpec, load_factory, split_model
+from pipec.frontend.trace import export, trace
 from runtime.kernels import attention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ def test_examples_trace_with_attention_as_one_call(example):
             FAILING_LINES[0],
             (
                 "control flow depends on a traced value; "
-                "move the branch out or pass a concrete argument"
+                "move the branch out, use torch.cond, or pass a concrete argument"
             ),
         ),
         (
@@ -45,7 +45,7 @@ def test_examples_trace_with_attention_as_one_call(example):
         (
             "mask_buffer_slice",
             FAILING_LINES[2],
-            "a tensor is sliced by a traced size; slice with a constant, or mark the module a leaf",
+            "a tensor is sliced by a traced size; slice with a constant, mark the module a leaf",
         ),
     ],
 )
@@ -94,3 +94,33 @@ def test_concrete_args_fix_a_flag_branch():
     gm = trace(spec)
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x"]
     assert torch.equal(gm(x), spec.model(x, double=True))
+
+
+@pytest.mark.parametrize("factory", ["assert_on_shape", "mask_buffer_slice"])
+def test_what_fx_cannot_trace_goes_through_export(factory):
+    spec = load_factory(f"{BROKEN}:{factory}")
+    stages = split_model(spec, 2, "uniform")  # capture "auto": fx fails, export takes it
+    x = spec.example_inputs
+    torch.testing.assert_close(stages[1](stages[0](*x)), spec.model(*x), rtol=0, atol=0)
+
+
+def test_a_data_dependent_branch_is_refused_in_one_line_by_export_too():
+    spec = load_factory(f"{BROKEN}:data_dependent_if")
+    with pytest.raises(FrontendError) as e:
+        export(spec)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("cannot export module 'blocks.1' (DataDependentIf)")
+    assert f"{BROKEN}:{FAILING_LINES[0]}: `if x.sum() > 0:" in message
+    assert "control flow depends on a traced value; move the branch out" in message
+
+
+def test_export_returns_the_models_output_structure():
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    spec = load_factory(f"{ROOT}/examples/hf_llama.py:tiny")
+    gm = export(spec)
+    out = gm(*spec.example_inputs)
+    assert isinstance(out, CausalLMOutputWithPast)
+    torch.testing.assert_close(out.logits, spec.model(*spec.example_inputs).logits)
+    assert not any(n.op == "call_module" for n in gm.graph.nodes)  # guards dropped

@@ -10,7 +10,7 @@ GPT = "examples/gpt.py:tiny"
 
 
 @pytest.mark.parametrize("p", [2, 4])
-def test_plan_on_the_tiny_gpt_finishes_within_two_minutes(p, capsys):
+def test_plan_on_the_tiny_gpt_finishes_within_two_minutes(p, capsys, tmp_path):
     start = time.perf_counter()
     code = cli_run(
         "plan",
@@ -27,6 +27,8 @@ def test_plan_on_the_tiny_gpt_finishes_within_two_minutes(p, capsys):
         "15",
         "--runs",
         "2",
+        "--save-profile",
+        str(tmp_path / "profile.json"),
         "--json",
     )
     elapsed = time.perf_counter() - start
@@ -76,18 +78,22 @@ def test_plan_names_the_smallest_budget_when_nothing_fits(capsys):
     )
 
 
-def test_plan_prices_transfers_on_the_machine_given(capsys):
+def test_plan_prices_transfers_on_the_machine_given(capsys, tmp_path):
     link = "intra=100e9:5e-6,inter=1e9:1e-4"
     code = cli_run(
         "plan", GPT, "--pp", "2", "--global-batch", "4", "--memory-per-device", "1GiB",
         "--mbs", "1,2", "--runs", "1", "--peak-tflops", "0.1", "--threads", "1",
         "--nodes", "2", "--gpus-per-node", "1", "--link", link, "--json",
+        "--save-profile", str(tmp_path / "profile.json"),
     )  # fmt: skip
     captured = capsys.readouterr()
     assert code == 0, captured.err
     machine = json.loads(captured.out)["machine"]
     assert (machine["nodes"], machine["gpus_per_node"]) == (2, 1)
     assert machine["inter"] == {"bandwidth": 1e9, "latency": 1e-4}
+    # The saved profile keeps the machine: its rows' command lines price links as the plan did.
+    saved = json.loads((tmp_path / "profile.json").read_text())
+    assert saved["machine"] == machine
 
 
 @pytest.mark.parametrize(

@@ -9,18 +9,15 @@ rank 0's stashes to rank 3 (counted there by both).
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from pipec.build_dir import emit
 from pipec.ir import Op
 from pipec.plan.build import compile_candidate
 from pipec.plan.candidates import PlanRequest
 from pipec.plan.driver import plan_profile
-from runtime.torchrun import torchrun
+from tests.runtime_launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT}/examples/gpt.py:tiny"  # micro-batches of 2
@@ -49,22 +46,10 @@ def candidates() -> dict:
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("plan_runtime")
     chosen = candidates()
-    listing, results = [], {}
-    for name, ev in chosen.items():
-        result = compile_candidate(ev, GPT)
-        results[name] = result
-        emit(result, tmp / name)
-        listing.append({"name": name, "build": str(tmp / name), "kind": "grads"})
-    (tmp / "cases.json").write_text(json.dumps(listing))
-    (tmp / "results").mkdir()
-    cmd, env = torchrun(
-        ROOT / "tests/runtime_harness.py", P, str(tmp / "cases.json"), str(tmp / "results")
-    )
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp / "results" / f"{r}.json").read_text()) for r in range(P)]
+    results = {name: compile_candidate(ev, GPT) for name, ev in chosen.items()}
+    cases = {name: (result, {"kind": "grads"}) for name, result in results.items()}
+    ranks = launch(cases, P, tmp_path_factory.mktemp("plan_runtime"), timeout=300).results
     return chosen, results, ranks
 
 

@@ -169,7 +169,8 @@ def test_measured_timeline_and_show(launched, capsys):
     assert "measured over" in stdout
     pipec_main(["show", str(build), "--lines", "2"])
     out = capsys.readouterr().out
-    assert "measured over 29 steps" in out and "peak stash measured" in out
+    assert "measured over 29 steps" in out and "stash counter" in out
+    assert "predicted (by term) vs measured real" in out
 
 
 def test_v_min_rank_0_holds_half_of_1f1b_at_4_ranks(launched):

@@ -24,8 +24,9 @@ from pipec.build_dir import emit, load
 from pipec.ir import Op, PipecError
 from pipec.model import compile_model
 from runtime.interpreter import HANDLERS, check_program
-from runtime.main import BARRIER_SHARE, main, step_barrier
+from runtime.main import BARRIER_SHARE, step_barrier
 from runtime.torchrun import torchrun
+from tests.runtime_launch import refused, said_by_rank_0
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT}/examples/gpt.py:tiny"
@@ -178,22 +179,6 @@ def test_a_rank_missing_from_the_step_barrier_is_named(tmp_path):
     assert (tmp_path / "1").read_text() != "passed"
 
 
-def _refused(
-    build: Path, monkeypatch, capsys, world: int = 4, rank: int = 1, handlers=HANDLERS
-) -> str:
-    """Run one rank's entry point in-process with no peers: it must refuse, not wait for them."""
-    monkeypatch.setenv("RANK", str(rank))
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens there: connecting would fail
-    with pytest.raises(SystemExit) as e:
-        main(build, ["--timeout", "5"], handlers)
-    assert e.value.code == 2 and not dist.is_initialized()
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"pipec runtime: rank {rank}: ")
-    return err
-
-
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -217,11 +202,11 @@ def test_a_corrupted_program_is_refused_before_any_communication(
         if f.is_file():
             (copy / f.name).write_text(f.read_text())
     (copy / "rank_001.pipe").write_text(damage((copy / "rank_001.pipe").read_text()))
-    assert re.search(message, _refused(copy, monkeypatch, capsys))
+    assert re.search(message, said_by_rank_0(copy, monkeypatch, capsys))
 
 
 def test_a_wrong_world_size_is_refused(build, monkeypatch, capsys):
-    err = _refused(build, monkeypatch, capsys, world=2)
+    err = said_by_rank_0(build, monkeypatch, capsys, world=2)
     assert (
         "the plan has 4 pipeline ranks x 1 data-parallel copies = 4 ranks, but this run has 2"
         in err
@@ -230,7 +215,8 @@ def test_a_wrong_world_size_is_refused(build, monkeypatch, capsys):
 
 def test_an_op_without_handler_is_refused_naming_op_and_line(build, monkeypatch, capsys):
     handlers = {op: h for op, h in HANDLERS.items() if op is not Op.SEND_GRAD}
-    err = _refused(build, monkeypatch, capsys, handlers=handlers)
+    err = refused(build, monkeypatch, capsys, rank=1, handlers=handlers)
+    assert err.count("\n") == 1 and err.startswith("pipec runtime: rank 1: ")
     assert re.search(r"rank_001.pipe:\d+: op SEND_GRAD has no runtime handler", err)
 
 

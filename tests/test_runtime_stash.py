@@ -1,8 +1,9 @@
-"""The stash: saved-tensor hooks count what the frontend measures, and an evicted stash comes
-back exactly (BPipe's EVICT/LOAD move these bytes)."""
+"""The stash: saved-tensor hooks count what the frontend measures, an evicted stash frees its
+storages for real and comes back exactly (BPipe's EVICT/LOAD move these bytes)."""
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from pipec.frontend import load_factory, measure_stash_bytes, split_model
@@ -26,11 +27,39 @@ def test_hooks_count_the_frontends_stash_and_eviction_round_trips():
             second, (x,), lambda out: spec.loss_fn(out, spec.example_target)
         )
         if evict:
-            buffer = saved.evict()
-            assert all(h.tensor is None for h in saved.handles if h.view is not None)
-            assert saved.nbytes <= buffer.numel() < saved.nbytes * 1.01
+            storages = saved.storages()
+            buffer = saved.evict(saved.nbytes)  # back to back: exactly the measured bytes
+            assert buffer.numel() == saved.nbytes
+            assert all(s.nbytes() == 0 for s in storages.values())  # freed here, for real
+            with pytest.raises(RuntimeError, match="used while evicted"):
+                loss.backward(retain_graph=True)
             saved.restore(buffer.clone())  # as if it went to the acceptor and back
         loss.backward()
         grads.append([leaf.grad] + [p.grad for p in second.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_eviction_refuses_a_size_the_plan_did_not_measure():
+    """Both sides size the buffer from the plan; a stash of another size is a stale build."""
+    t = torch.ones(8, requires_grad=True)
+    saved = SavedTensors(frozenset())
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        (t * t).sum()
+    with pytest.raises(RuntimeError, match="the plan measured 16: .* recompile"):
+        saved.evict(16)
+
+
+def test_a_kept_storage_is_packed_but_not_freed():
+    """Storages something else on the rank still reads (a send in flight, the batch data)
+    travel in the buffer and stay here; the restore writes the same bytes back."""
+    t = torch.arange(4.0, requires_grad=True)
+    saved = SavedTensors(frozenset())
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        y = (t * t).exp()  # saves t (twice: one storage) and y
+    buffer = saved.evict(32, keep={storage_key(t)})
+    assert buffer.numel() == 32
+    assert t.untyped_storage().nbytes() == 16 and y.untyped_storage().nbytes() == 0
+    saved.restore(buffer)
+    y.sum().backward()
+    torch.testing.assert_close(t.grad, 2 * t.detach() * (t.detach() ** 2).exp())

@@ -117,31 +117,18 @@ COUNTERPARTS = [
 @pytest.mark.parametrize("cls, v, name", COUNTERPARTS)
 @pytest.mark.parametrize("p, m", SHAPES)
 @pytest.mark.parametrize("costs", sorted(COSTS))
-def test_zero_bubble_orders_simulate_like_pipecs(cls, v, name, p, m, costs):
+def test_pipecs_family_is_never_longer_than_torchs_order(cls, v, name, p, m, costs):
+    """pipec's family builds torch's order, or one that is shorter under the given costs at no
+    more memory (zb-v keeps the reference's greedy where it beats torch's fixed order); at
+    unit costs the two take exactly as long."""
     if name not in SCHEDULES:
         pytest.skip(f"pipec family '{name}' is not registered in this branch")
     theirs = torch_import(cls, p, m, v, COSTS[costs])
     ours = compile_schedule(name, p, m, None, COSTS[costs])
-    known = KNOWN_DIFFERENCES.get((name, costs, p, m))
-    if known is None:
-        assert theirs.sim.makespan == pytest.approx(ours.sim.makespan, abs=1e-9)
-    else:  # explained in the README (torch interop): a different order of the same shape
-        assert (theirs.sim.makespan, ours.sim.makespan) == pytest.approx(known, abs=1e-3)
-
-
-#: (pipec family, costs, p, m) -> (torch's makespan, pipec's), explained in the README:
-#: torch's ZBV is a fixed order while pipec's zb-v is the reference's greedy under the given
-#: costs (equal at unit costs, 0.2% longer under the 1.5B costs); pipec's dualpipev starts each
-#: OVERLAP pair (DualPipe's F&B) once both its inputs are in, DeepSeek's accounting, while
-#: torch's order, imported without the hint, runs the pair's two ops one after the other.
-KNOWN_DIFFERENCES = {
-    ("zb-v", "1.5B", 4, 8): (798.102, 799.701),
-    ("zb-v", "1.5B", 8, 24): (2354.502, 2356.049),
-    ("dualpipev", "unit", 4, 8): (51.0, 54.0),
-    ("dualpipev", "unit", 8, 24): (151.0, 158.0),
-    ("dualpipev", "1.5B", 4, 8): (824.145, 882.115),
-    ("dualpipev", "1.5B", 8, 24): (2413.085, 2558.365),
-}
+    assert ours.sim.makespan <= theirs.sim.makespan * (1 + 1e-9)
+    assert max(peaks(ours)) <= max(peaks(theirs)) + 1e-9
+    if costs == "unit":
+        assert ours.sim.makespan == theirs.sim.makespan
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,8 @@ An order is, per rank, a list of pass names; the n-th F of a rank is micro-batch
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
+from itertools import accumulate
 
 from passes.costs import CostModel
 from pipec.ir import Instr, Op, Program
@@ -113,14 +115,23 @@ def durations(p: int, costs: CostModel) -> Durations:
 
 
 def start_times(
-    orders: Orders, dur: Durations | None = None, comm: float = 0
+    orders: Orders, dur: Durations | None = None, comm: float | Sequence[Sequence[float]] = 0
 ) -> list[list[float]] | None:
     """When every pass starts if each starts as early as its rank's order and its input
     allow (with unit durations: the paper's "squeeze", in slots); None if the orders
-    deadlock. `comm` is added when the input comes from another rank."""
+    deadlock. `comm` is added when the input comes from another rank (`comm[src][dst]`: each
+    pair of ranks its own delay)."""
     p = len(orders)
     unit = {k: 1 for k in KINDS}
-    deps = [{k: waits_for(p, r, k) for k in KINDS} for r in range(p)]
+    delay = comm if isinstance(comm, Sequence) else [[comm] * p for _ in range(p)]
+    deps = [
+        {
+            k: None if d is None else (d[0], d[1], delay[d[0]][r] if d[0] != r else 0)
+            for k in KINDS
+            for d in [waits_for(p, r, k)]
+        }
+        for r in range(p)
+    ]
     ends: list[dict[str, list[float]]] = [{k: [] for k in KINDS} for _ in range(p)]
     waiting: list[dict[str, list[int]]] = [{k: [] for k in KINDS} for _ in range(p)]
     out: list[list[float]] = [[] for _ in range(p)]
@@ -140,7 +151,7 @@ def start_times(
                 if len(theirs) <= len(done):
                     waiting[dep[0]][dep[1]].append(r)
                     break
-                arrive = theirs[len(done)] + (comm if dep[0] != r else 0)
+                arrive = theirs[len(done)] + dep[2]
                 if arrive > t:  # noqa: PLR1730 - a compare, not a call of max(): a hot loop
                     t = arrive
             starts.append(t)
@@ -180,11 +191,7 @@ def squeezed(orders: Orders) -> list[list[str]] | None:
 
 def peak(row: list[str]) -> int:
     """A rank's peak live chunk stashes: F and f add one, W and w free one."""
-    live = top = 0
-    for kind in row:
-        live += MEM[kind]
-        top = max(top, live)
-    return top
+    return max(accumulate(map(MEM.__getitem__, row), initial=0))
 
 
 def relabel_w(orders: Orders) -> Orders:

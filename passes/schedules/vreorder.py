@@ -6,8 +6,11 @@ rewritten as the V's natural one (forwards of chunk 0, then pairs F f, then B W 
 cool-down is rebuilt with the last backwards chained as tightly as the V allows, and every
 remaining idle slot is filled by the first later pass of its rank that can legally move
 there. W and w take their free slots in FIFO order of the B and b they follow. A second
-cool-down (list scheduling: B or b when ready, else the oldest W) is also tried, and the
-shorter result kept; the paper's rebuild can collide on some blocks.
+cool-down (list scheduling: B or b when ready, else the oldest W) is also built, since the
+paper's rebuild can collide on some blocks; `variants` returns both and the caller keeps the
+shorter under its costs. With `shared` peaks every rank may rise to the largest rank's peak
+and a rebuilt B may take a weight pass's slot: how the reference code's adaptive search
+builds a block.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from passes.schedules.vblocks import (
     repeat,
     slot_times,
     squeezed,
+    to_grid,
     waits_for,
 )
 
@@ -67,11 +71,13 @@ def _warmup(row: list[str], r: int, p: int, m: int, top: int) -> list[str]:
     return new + row[cut:]
 
 
-def rebuild_cooldown(grid: list[list[str]], m: int) -> Orders | None:
+def rebuild_cooldown(grid: list[list[str]], m: int, over_weights: bool = False) -> Orders | None:
     """The paper's cool-down: after rank 0's last f at slot S, rank r runs its last b's at
     S - r + 2p - 2k and its last B's at S + 1 + r - 2k (k = 0, 1, ...: chained as tightly as
     the V allows), (top+1)//2 b's and up to r+1 B's of them; the W's taken out of the tail
-    go back into free slots after the last W left. None if a chained slot is taken."""
+    go back into free slots after the last W left. With `over_weights` a B may take a weight
+    pass's slot (that weight pass goes back with the others, as the reference code's adaptive
+    search does). None if a chained slot is taken otherwise."""
     p = len(grid)
     top = max(peak(row) for row in grid)
     max_b1 = min((top + 1) // 2, m)
@@ -92,10 +98,11 @@ def rebuild_cooldown(grid: list[list[str]], m: int) -> Orders | None:
             if row[j] in "Ww":
                 taken[row[j]] += 1
                 row[j] = " "
-        for kind, first, step in (("b", start - r + 2 * p, -2), ("B", start + 1 + r, -2)):
+        over = " Ww" if over_weights else " "
+        for kind, first, free in (("b", start - r + 2 * p, " "), ("B", start + 1 + r, over)):
             for k in range(taken[kind]):
-                slot = first + step * k
-                if slot < 0 or row[slot] != " ":
+                slot = first - 2 * k
+                if slot < 0 or row[slot] not in free:
                     return None
                 row[slot] = kind
     return [_refill_weights(row) for row in rows]
@@ -110,7 +117,7 @@ def _refill_weights(row: list[str]) -> list[str]:
             owed["W" if kind == "B" else "w"] += 1
         elif kind in "Ww":
             owed[kind] -= 1
-        elif j > last:
+        elif kind == " " and j > last:
             for w in "Ww":
                 if owed[w] > 0:
                     row[j], owed[w] = w, owed[w] - 1
@@ -182,12 +189,13 @@ def fill_bubbles(grid: list[list[str]], tops: list[int]) -> Orders:
         for row in grid
     ]
     count = [dict.fromkeys(KINDS, 0) for _ in range(p)]
+    deps = [{k: waits_for(p, r, k) for k in KINDS} for r in range(p)]
     at: dict[tuple[int, str, int], int] = {}
     live = [0] * p
     for j in range(length):
         for r, row in enumerate(grid):
             if row[j] == " ":
-                _pull_forward(grid, r, j, last[r], count[r], at, live[r], tops[r])
+                _pull_forward(row, j, last[r], count[r], at, live[r], tops[r], deps[r])
             kind = row[j]
             if kind != " ":
                 at[(r, kind, count[r][kind])] = j
@@ -197,32 +205,36 @@ def fill_bubbles(grid: list[list[str]], tops: list[int]) -> Orders:
 
 
 def _pull_forward(
-    grid: list[list[str]],
-    r: int,
+    row: list[str],
     j: int,
     last: dict[str, int],
     count: dict[str, int],
     at: dict[tuple[int, str, int], int],
     live: int,
     top: int,
+    deps: dict[str, tuple[int, str] | None],
 ) -> None:
-    """Move into grid[r][j] the first pass after j that may run there (see fill_bubbles)."""
-    p, row = len(grid), grid[r]
+    """Move into row[j] the first pass after j that may run there (see fill_bubbles); `deps`
+    is what each kind of pass waits for on this rank. Written out: the hottest loop of a
+    V-shape search."""
     candidates = {k for k in KINDS if last[k] > j}
     delta = rise = 0
     for k in range(j + 1, len(row)):
+        kind = row[k]
+        if kind == " ":
+            continue
         if not candidates:
             return
-        kind = row[k]
         rise_before = rise
         delta += MEM[kind]
-        rise = max(rise, delta)
+        if delta > rise:  # noqa: PLR1730 - a compare, not a call of max(): a hot loop
+            rise = delta
         if kind not in candidates:
             continue
         candidates.discard(kind)
         if MEM[kind] > 0 and live + rise_before >= top:
             continue  # the forward would be live over [j, k): the peak would rise
-        dep = waits_for(p, r, kind)
+        dep = deps[kind]
         if dep is not None:
             done = at.get((dep[0], dep[1], count[kind]))
             if done is None or done >= j:
@@ -241,38 +253,65 @@ def _within(orders: Orders, tops: list[int]) -> bool:
     return all(a <= b for a, b in zip(_peaks(orders), tops))
 
 
-def build(block: Block, m: int, thorough: bool = True) -> Orders | None:
-    """The schedule of `block` for m micro-batches, or None if no variant is valid.
+def variants(block: Block, m: int, thorough: bool = True, shared: bool = False) -> list[Orders]:
+    """The schedules of `block` for m micro-batches: the paper's cool-down, then (`thorough`)
+    list scheduling's; invalid ones are left out.
 
     Built with max(m, 2p) micro-batches so the warm-up rewrite sees a stable phase; the spare
     ones are dropped before the cool-down is reordered. No rank's peak rises above its peak
-    in the repeated block (which the lifespan rule bounds). Without `thorough`, only the
-    paper's cool-down is tried (the cheap variant a search tries first; None when it fails).
+    in the repeated block (which the lifespan rule bounds), or with `shared` above the largest
+    of them (the reference adaptive search's rule: a rank with room may use it).
     """
     p = len(block)
+
+    def caps(orders: Orders | list[list[str]]) -> list[int]:
+        peaks = _peaks(orders)
+        return [max(peaks)] * p if shared else peaks
+
     spare = max(m, 2 * p)
     orders = repeat(block, spare)
-    tops = _peaks(orders)
+    tops = caps(orders)
     warm = reorder_warmup(orders, spare, [min(t, 2 * p) for t in tops])
-    if slot_times(warm) is not None and _within(warm, tops):
+    times = slot_times(warm)
+    if times is not None and _within(warm, tops):
         orders = warm
+    else:
+        times = None
     if spare > m:
-        orders = keep_first(orders, m)
-    grid = squeezed(orders)
-    assert grid is not None
-    variants = []
-    rebuilt = rebuild_cooldown(grid, m)
+        orders, times = keep_first(orders, m), None
+    times = times or slot_times(orders)  # the warm-up's squeeze serves when nothing changed
+    assert times is not None
+    grid = to_grid(orders, times)
+    found = []
+    rebuilt = rebuild_cooldown(grid, m, over_weights=shared)
     if rebuilt is not None and (g := squeezed(relabel_w(rebuilt))) is not None:
-        variants.append(relabel_w(fill_bubbles(g, _peaks(g))))
+        found.append(relabel_w(fill_bubbles(g, caps(g))))
     if thorough:
-        filled = squeezed(relabel_w(fill_bubbles(grid, _peaks(grid))))
-        if filled is not None:
-            variants.append(relabel_w(list_cooldown(filled)))
+        filled = squeezed(relabel_w(fill_bubbles(grid, caps(grid))))
+        assert filled is not None  # moving passes to earlier idle slots keeps them valid
+        found.append(relabel_w(list_cooldown(filled)))
+    # Filling bubbles and list scheduling keep every input before its use: no deadlock here.
+    return [v for v in found if _within(v, tops)]
+
+
+def every_variant(block: Block, m: int) -> list[Orders]:
+    """`variants` with each rank within its own peak, then with every rank within the largest:
+    where all ranks of the repeated block peak alike the two are the same orders (a rebuilt
+    cool-down that needs no weight pass's slot is built the same way), so they are built once.
+    """
+    p = len(block)
+    alike = len(set(_peaks(repeat(block, max(m, 2 * p))))) == 1
+    return ([] if alike else variants(block, m)) + variants(block, m, shared=True)
+
+
+def build(block: Block, m: int, thorough: bool = True) -> Orders | None:
+    """The shortest in slots of `variants(block, m, thorough)`, or None if there is none.
+    Without `thorough`, only the paper's cool-down is tried (the cheap variant a search tries
+    first)."""
     best, best_length = None, 0
-    for v in variants:
+    for v in variants(block, m, thorough):
         times = slot_times(v)
-        if times is None or not _within(v, tops):
-            continue
+        assert times is not None
         length = max(t[-1] for t in times)
         if best is None or length < best_length:
             best, best_length = v, length

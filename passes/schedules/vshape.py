@@ -11,17 +11,26 @@ Start slots on rank r (d = p), from the reference implementation:
     V-ZB:   F = 5r, f = 6d-5-r, B = 6d-4+5r,   b = 12d-9-r
 
 (I moves the backward so that no two passes of a rank share a slot modulo 6.)
+
+A family emits the shortest, under the costs the user gave, of its block's schedules (the
+paper's cool-down and list scheduling's, vreorder) and the peer's published order for the same
+placement and memory: the zero-bubble repository's V-Min and V-Half (vgreedy), torch's ZB-V for
+V-ZB (zbv_fixed); none may raise a rank's peak above the block's own schedules' (vbest).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from passes.mapping import stage_ranks, v_shape
 from passes.registry import Request, only_v, schedule
+from passes.schedules import vgreedy
 from passes.schedules.limits import refuse_over_limit
+from passes.schedules.vbest import rank_peaks, shortest
 from passes.schedules.vblocks import Block, Orders, T, block_from_residues, to_programs
-from passes.schedules.vreorder import build
+from passes.schedules.vreorder import variants
+from passes.schedules.zbv_fixed import zbv_orders
 from pipec.ir import Schedule, single_pipeline
 
 Slots = Callable[[int, int], tuple[int, int, int, int]]
@@ -71,20 +80,49 @@ def v_schedule(name: str, req: Request, orders: Orders) -> Schedule:
     return refuse_over_limit(sched, req, "v-adaptive")
 
 
-def _family(name: str, slots: Slots, summary: str) -> None:
+def reference_orders(slots: Slots, p: int, m: int) -> Orders:
+    """The zero-bubble repository's orders for the block of `slots` (its V-Min/V-Half)."""
+    return vgreedy.orders([slots(p, r) for r in range(p)], m)
+
+
+def peer_orders(p: int, m: int) -> list[Orders]:
+    """The orders peers publish for the V placement: torch's ZB-V (p stashes) and the
+    zero-bubble repository's V-Half and V-Min."""
+    return [
+        zbv_orders(p, m),
+        reference_orders(v_half_slots, p, m),
+        reference_orders(v_min_slots, p, m),
+    ]
+
+
+def _family(name: str, slots: Slots, summary: str, peers: Callable[[int, int], Orders]) -> None:
     def build_family(req: Request) -> Schedule:
-        orders = build(block_of(slots, req.p), req.m)
-        assert orders is not None, f"{name} builds for every p >= 2, m >= 2"
+        own = variants(block_of(slots, req.p), req.m)
+        assert own, f"{name} builds for every p >= 2, m >= 2"
+        bound = [max(x) for x in zip(*(rank_peaks(orders, req.costs) for orders in own))]
+        orders = shortest([*own, peers(req.p, req.m)], req.costs, bound)
+        assert orders is not None  # the family's own orders are within its bound
         return v_schedule(name, req, orders)
 
     build_family.__doc__ = f"{name}: {summary}"
     v_family(name, summary)(build_family)
 
 
-_family("v-min", v_min_slots, "V-shape, ~1/3 of 1F1B's activations ((p+4)//3 stashes), bubble ~4p")
 _family(
-    "v-half", v_half_slots, "V-shape, ~1/2 of 1F1B's activations ((p+2)//2 stashes), bubble ~3p"
+    "v-min",
+    v_min_slots,
+    "V-shape, ~1/3 of 1F1B's activations ((p+4)//3 stashes), bubble ~4p",
+    partial(reference_orders, v_min_slots),
 )
 _family(
-    "v-zb", v_zb_slots, "V-shape building block with 1F1B's activations (p stashes), zero bubble"
+    "v-half",
+    v_half_slots,
+    "V-shape, ~1/2 of 1F1B's activations ((p+2)//2 stashes), bubble ~3p",
+    partial(reference_orders, v_half_slots),
+)
+_family(
+    "v-zb",
+    v_zb_slots,
+    "V-shape building block with 1F1B's activations (p stashes), zero bubble",
+    zbv_orders,
 )

@@ -6,8 +6,10 @@ fills each rank with chunk-0 forwards until the first chunk-1 forward can arrive
 of one input-gradient backward (B or b) and one forward (F or f) per rank, weight passes
 filling the waits (and forced when memory is at the cap). Two switches (whether a wait before
 B, and before F or f, may take a W that leaves a bubble) give four runs; each is re-run with
-the per-rank bubbles of the last run "approved" while that lowers its largest bubble, and
-the smallest wins. With equal F, B and W costs the bubble is zero. Pass names are vblocks':
+the per-rank bubbles of the last run "approved" while that lowers its largest bubble. The
+shortest of the four under the real costs is kept, or torch's fixed ZB-V order (zbv_fixed,
+the paper's schedule written out for equal costs) where that is shorter. With equal F, B and
+W costs the bubble is zero. Pass names are vblocks':
 F f forwards of chunk 0 and 1, B b backwards of chunk 1 and 0, W w their weight passes.
 """
 
@@ -19,9 +21,11 @@ from dataclasses import dataclass, field, replace
 
 from passes.costs import CostModel
 from passes.registry import Request
+from passes.schedules.vbest import shortest
 from passes.schedules.vblocks import KINDS, Durations, Orders, durations, waits_for
 from passes.schedules.vshape import v_family, v_schedule
-from pipec.ir import Op, PipecError, Schedule
+from passes.schedules.zbv_fixed import zbv_orders
+from pipec.ir import Op, Schedule
 
 _EPS = 1e-9
 
@@ -230,29 +234,37 @@ def _refined(p: int, m: int, costs: CostModel, fill_b: bool, fill_f: bool) -> _G
 
 
 def zb_v_orders(p: int, m: int, costs: CostModel) -> Orders:
-    """The best of the four policy runs that keep 1F1B's memory.
+    """The shortest under the costs of the four policy runs and torch's fixed ZB-V order,
+    all within 1F1B's memory (runs that tie keep the reference's pick: the smallest bubble).
 
     With uneven per-chunk costs a greedy run can get stuck (more forwards than p stashes hold,
-    or a pass before its input); when every run does, the order is built for the chunks' mean
-    costs instead (an order is valid under any costs; it is simulated under the real ones).
+    or a pass before its input); when every run does, the runs are built for the chunks' mean
+    costs instead (an order is valid under any costs; it is timed under the real ones), and
+    where those get stuck too torch's order is what remains.
     """
+    runs = sorted(_runs(p, m, costs), key=lambda g: g.largest_bubble())
+    best = shortest([*(g.orders for g in runs), zbv_orders(p, m)], costs, p * costs.mem_F)
+    assert best is not None  # the runs keep 1F1B's memory
+    return best
+
+
+def _runs(p: int, m: int, costs: CostModel) -> list[_Greedy]:
+    """The refined runs of the four policies that do not get stuck (see zb_v_orders)."""
     runs = []
     for fill_b, fill_f in itertools.product((True, False), repeat=2):
         try:
             runs.append(_refined(p, m, costs, fill_b, fill_f))
         except _Stuck:
             continue
-    if not runs:
-        if max(len(costs.F), len(costs.B), len(costs.W)) == 1:
-            raise PipecError(f"zb-v: no greedy order keeps p={p} stashes under these costs")
+    if not runs and max(len(costs.F), len(costs.B), len(costs.W)) > 1:
         mean = replace(
             costs,
             F=(sum(costs.F) / len(costs.F),),
             B=(sum(costs.B) / len(costs.B),),
             W=(sum(costs.W) / len(costs.W),),
         )
-        return zb_v_orders(p, m, mean)
-    return min(runs, key=lambda g: g.largest_bubble()).orders
+        return _runs(p, m, mean)
+    return runs
 
 
 @v_family(

@@ -1,7 +1,7 @@
-"""The pipec frontend: model factories, torch.fx tracing, stage partitioning, stage facts.
+"""The pipec frontend: model factories, capture (torch.fx or torch.export), stages, stage facts.
 
 The compiler calls `build_model_plan`; the runtime calls `build_stages`; `split_model` returns
-the stage modules for tests and tools. See pipec/frontend/README_SECTION.md.
+the stage modules for tests and tools. See docs/models.md.
 """
 
 from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, measure_stash_bytes

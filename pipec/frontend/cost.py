@@ -1,35 +1,57 @@
-"""FLOP estimates per fx node, split into forward (F), input-gradient (B) and weight-gradient (W).
+"""FLOPs of a stage's F, B and W, counted by torch (`torch.utils.flop_counter.FlopCounterMode`).
 
-The model, per op kind (shapes from one `ShapeProp` pass over the example micro-batch):
-
-- matmul / linear: F = 2·M·N·K. With a weight (an `nn.Linear`, or a matmul with a parameter
-  operand): B = W = F (dX and dW are one GEMM each). Between two activations: B = 2F, W = 0.
-- attention (`runtime.kernels.attention`, SDPA): F = 4·b·h·s_q·s_kv·d (QKᵀ and PV, causal
-  masking ignored as in the papers' formulas), B = 2F, W = 0.
-- views, reshapes, indexing, concatenation, dtype casts: 0 (no arithmetic).
-- everything else (norms, activations, adds, embedding lookups): F = numel(output), B = 2F,
-  W = 0. Norm and embedding weight gradients are computed in B by the runtime, so they count
-  there too. The loss counts as one such op over the model output, on the last stage.
-
-On a GPT layer this reproduces Qi et al.'s F = sbh(24h+4s), B = sbh(24h+8s), W = 24sbh² for the
-GEMMs and attention, plus O(sbh) for the elementwise ops.
+`stage_flops(stage, inputs, loss)` runs one micro-batch through the stage the way the runtime
+does (`runtime.bwsplit.split_backward`: F, then B with the weight-gradient GEMMs queued, then
+W) and counts each phase's FLOPs: every matmul, `addmm`, convolution and attention kernel
+torch's counter knows, wherever it sits (inside a leaf module too). Elementwise ops count zero,
+as in torch's counter and the papers' formulas. It runs on fake tensors (`FakeTensorMode`): no
+memory is allocated and nothing is computed, so a paper-sized model on the meta device costs
+in seconds (a model on the meta device runs as it is). A stage whose ops cannot run on fake
+tensors (data-dependent shapes) is counted on its real inputs instead.
 """
 
 from __future__ import annotations
 
-import math
-import operator
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import fx, nn
-from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+from torch import Tensor, fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
+
+from runtime.bwsplit import B, W, split_backward
+
+aten = torch.ops.aten
+
+
+def _cpu_sdpa(q, k, v, *args, **kwargs) -> int:  # type: ignore[no-untyped-def]
+    return sdpa_flop_count(q, k, v)
+
+
+def _cpu_sdpa_backward(grad_out, q, k, v, *args, **kwargs) -> int:  # type: ignore[no-untyped-def]
+    return sdpa_backward_flop_count(grad_out, q, k, v)
+
+
+# SDPA's CPU kernels, which torch's counter does not list (its formulas are the same; the
+# counter hands these shapes).
+CPU_ATTENTION_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward,
+}
 
 
 @dataclass(frozen=True)
 class Flops:
-    """Estimated FLOPs of one op or stage: forward, input-gradient backward, weight-gradient."""
+    """FLOPs of one stage and micro-batch: forward, input-gradient backward, weight-gradient."""
 
     F: int = 0
     B: int = 0
@@ -43,132 +65,94 @@ class Flops:
         return self.F + self.B + self.W
 
 
-_ZERO_FUNCTIONS = {
-    operator.getitem,
-    getattr,
-    torch.arange,
-    torch.cat,
-    torch.stack,
-    torch.flatten,
-    torch.reshape,
-    torch.transpose,
-    torch.permute,
-    torch.unsqueeze,
-    torch.squeeze,
-    torch.split,
-    torch.chunk,
-    torch.t,
-    torch.narrow,
-    torch.select,
-}
-_ZERO_METHODS = {
-    "size",
-    "dim",
-    "view",
-    "view_as",
-    "reshape",
-    "transpose",
-    "permute",
-    "contiguous",
-    "flatten",
-    "unflatten",
-    "unsqueeze",
-    "squeeze",
-    "expand",
-    "expand_as",
-    "split",
-    "chunk",
-    "t",
-    "to",
-    "type",
-    "type_as",
-    "float",
-    "half",
-    "bfloat16",
-    "narrow",
-    "select",
-    "repeat_interleave",
-}
-_MATMUL_FUNCTIONS = {operator.matmul, torch.matmul, torch.bmm, torch.mm, F.linear}
-_MATMUL_METHODS = {"matmul", "bmm", "mm"}
+def stage_flops(
+    stage: nn.Module,
+    inputs: tuple[Tensor, ...],
+    loss: Callable[[Any], Tensor] | None = None,
+) -> Flops:
+    """F, B, W FLOPs of one micro-batch `inputs` through `stage` (`loss` on the last stage).
 
-
-def _attention_functions() -> set[object]:
-    funcs: set[object] = {F.scaled_dot_product_attention}
+    Prepares the stage with `split_backward` (as the runtime does when it splits B and W).
+    Gradients go to detached copies of the parameters, never to the stage's own.
+    """
+    split_backward(stage)
+    tensors = [*inputs, *stage.parameters()]
+    if all(t.device.type == "meta" for t in tensors):
+        return _count(stage, inputs, loss, Tensor.detach)  # computes nothing already
     try:
-        from runtime.kernels import attention
-    except ImportError:
-        return funcs
-    return funcs | {attention}
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            return _count(stage, inputs, loss, mode.from_tensor)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        # Data-dependent shapes (nonzero, item) have no fake value: count on real tensors.
+        return _count(stage, inputs, loss, Tensor.detach)
 
 
-def node_flops(
-    gm: fx.GraphModule, example_inputs: tuple[torch.Tensor, ...]
-) -> dict[fx.Node, Flops]:
-    """FLOPs of every node of `gm` for one micro-batch `example_inputs` (runs `gm` once)."""
-    ShapeProp(gm).propagate(*example_inputs)
-    attention_fns = _attention_functions()
-    return {node: _flops(gm, node, attention_fns) for node in gm.graph.nodes}
+def _count(
+    stage: nn.Module,
+    inputs: tuple[Tensor, ...],
+    loss: Callable[[Any], Tensor] | None,
+    convert: Callable[[Tensor], Tensor],
+) -> Flops:
+    params = {
+        name: convert(p).requires_grad_(p.requires_grad)
+        for name, p in stage.named_parameters(remove_duplicate=False)
+    }
+    leaves = tuple(convert(x).requires_grad_(x.is_floating_point()) for x in inputs)
+    counts = []
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
+        out = functional_call(stage, params, leaves, strict=False)
+        if loss is not None:
+            out = loss(out)
+        counts.append(counter.get_total_flops())
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
+        grads = None if loss is not None else [torch.ones_like(t) for t in outputs]
+        if outputs:
+            B(stage, 0, outputs, grads, leaves)
+        counts.append(counter.get_total_flops())
+        if outputs:
+            W(stage, 0)
+        counts.append(counter.get_total_flops())
+    return Flops(counts[0], counts[1] - counts[0], counts[2] - counts[1])
 
 
-def loss_flops(gm: fx.GraphModule) -> Flops:
-    """The loss, counted as one elementwise op over the model output (after `node_flops`)."""
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    return _elementwise(_numel(output.args[0]))
+def count_flops(
+    stages: list[fx.GraphModule],
+    inputs: list[tuple[Tensor, ...]],
+    starts: list[int],
+    blocks: str,
+    loss: Callable[[Any], Tensor],
+) -> list[Flops]:
+    """`stage_flops` of each stage (`loss` on the last), counted once per distinct stage:
+    stages whose graphs differ only in which blocks they hold (a decoder's middle stages) have
+    the same FLOPs, so an 80-layer model is counted in a few runs. `starts[k]`: the first
+    block of stage k in the container at `blocks`."""
+    counted: dict[str, Flops] = {}
+    result = []
+    for k, (stage, x) in enumerate(zip(stages, inputs)):
+        last = k == len(stages) - 1
+        key = _signature(stage, x, blocks, starts[k]) + f"|last={last}"
+        if key not in counted:
+            counted[key] = stage_flops(stage, x, loss if last else None)
+        result.append(counted[key])
+    return result
 
 
-def _flops(gm: fx.GraphModule, node: fx.Node, attention_fns: set[object]) -> Flops:
-    if node.op in ("placeholder", "get_attr", "output"):
-        return Flops()
-    out = _numel(node)
-    if node.op == "call_module":
-        module = gm.get_submodule(str(node.target))
-        if isinstance(module, nn.Linear):
-            f = 2 * out * module.in_features
-            return Flops(f, f, f)
-        return _elementwise(out)
-    is_method = node.op == "call_method"
-    if (node.target in _ZERO_METHODS) if is_method else (node.target in _ZERO_FUNCTIONS):
-        return Flops()
-    if node.target in attention_fns:
-        b, h, s_q, d = _shape(node.args[0])
-        s_kv = _shape(node.args[1])[2]
-        f = 4 * b * h * s_q * s_kv * d
-        return Flops(f, 2 * f, 0)
-    if (node.target in _MATMUL_METHODS) if is_method else (node.target in _MATMUL_FUNCTIONS):
-        f = 2 * out * _shape(node.args[0])[-1]
-        if any(_is_parameter(gm, a) for a in node.args[:2]):
-            return Flops(f, f, f)
-        return Flops(f, 2 * f, 0)
-    return _elementwise(out)
+def _signature(stage: fx.GraphModule, inputs: tuple[Tensor, ...], blocks: str, first: int) -> str:
+    """The stage's ops (nodes by position, block indices relative to its first block) and its
+    parameters' and inputs' shapes: equal for stages that compute the same ops on the same
+    shapes."""
+    pattern = re.compile(rf"^{re.escape(blocks)}\.(\d+)" if blocks else r"^(\d+)")
 
+    def relative(target: object) -> str:
+        if not isinstance(target, str):
+            return repr(target)
+        return pattern.sub(lambda m: f"{blocks}.@{int(m[1]) - first}", target)
 
-def _elementwise(numel: int) -> Flops:
-    return Flops(numel, 2 * numel, 0)
-
-
-def _shape(arg: object) -> tuple[int, ...]:
-    meta = arg.meta.get("tensor_meta") if isinstance(arg, fx.Node) else None
-    return tuple(meta.shape) if isinstance(meta, TensorMetadata) else ()
-
-
-def _numel(node: fx.Node) -> int:
-    meta = node.meta.get("tensor_meta")
-    return math.prod(meta.shape) if isinstance(meta, TensorMetadata) else 0
-
-
-def _is_parameter(gm: fx.GraphModule, arg: object) -> bool:
-    """Whether `arg` is a parameter, possibly seen through views (`x @ self.wte.weight.t()`)."""
-    while isinstance(arg, fx.Node):
-        if arg.op == "get_attr":
-            return isinstance(_get_attr(gm, str(arg.target)), nn.Parameter)
-        zero_cost = arg.target in (_ZERO_METHODS if arg.op == "call_method" else _ZERO_FUNCTIONS)
-        if arg.op not in ("call_method", "call_function") or not zero_cost or not arg.args:
-            return False
-        arg = arg.args[0]
-    return False
-
-
-def _get_attr(gm: fx.GraphModule, target: str) -> object:
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
+    position = {n: i for i, n in enumerate(stage.graph.nodes)}
+    lines = [f"{tuple(x.shape)} {x.dtype}" for x in inputs]
+    lines += [f"{relative(n)} {tuple(p.shape)} {p.dtype}" for n, p in stage.named_parameters()]
+    for node in stage.graph.nodes:
+        args = fx.map_arg((node.args, node.kwargs), lambda a: f"%{position[a]}")
+        target = "" if node.op == "placeholder" else relative(node.target)  # its name
+        lines.append(f"{node.op} {target} {args}")
+    return "\n".join(lines)

@@ -65,8 +65,8 @@ class StageFacts:
         holding it).
     stash_bytes: activation memory autograd keeps from F until the backward, measured; the
         last stage includes the loss.
-    flops: estimated FLOPs of F, B (input gradients, plus norm/embedding weight gradients) and
-        W (Linear weight gradients).
+    flops: FLOPs of F, B (input gradients, plus the weight gradients not deferred) and W (the
+        deferred weight gradients of products with parameters), counted by torch.
     seconds: F, B, W durations: flops / assumed throughput, or profiled medians.
     """
 
@@ -121,6 +121,9 @@ class ModelPlan:
     tied: groups of (stage, parameter name) holding one shared parameter (e.g. a tied
         embedding and LM head): the runtime must sum their gradients across those stages
         before the optimizer step, as a single-process model would.
+    micro_batch_size: the size the factory was asked for (`load_factory`), which every
+        rebuild asks for again; None: the factory's own.
+    capture: how the model was captured, "fx" or "export"; stages are rebuilt the same way.
     """
 
     spec: str | None
@@ -138,9 +141,11 @@ class ModelPlan:
     device: str
     tied: tuple[tuple[tuple[int, str], ...], ...]
     stages: tuple[StageFacts, ...]
+    micro_batch_size: int | None = None
+    capture: str = "fx"
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": PLAN_FORMAT,
             "spec": self.spec,
             "seed": self.seed,
@@ -149,6 +154,7 @@ class ModelPlan:
             "v": self.v,
             "replicas": self.replicas,
             "blocks": {"path": self.blocks_path, "count": self.n_blocks},
+            "capture": self.capture,
             "partition": {"mode": self.partition_mode, "blocks_per_stage": list(self.partition)},
             "cost": {
                 "source": self.cost_source,
@@ -160,6 +166,9 @@ class ModelPlan:
             ],
             "stages": [s.to_json() for s in self.stages],
         }
+        if self.micro_batch_size is not None:  # absent otherwise: older plans keep their hash
+            out["micro_batch_size"] = self.micro_batch_size
+        return out
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> ModelPlan:
@@ -181,11 +190,13 @@ class ModelPlan:
             d["cost"]["device"],
             tuple(tuple((h["stage"], h["name"]) for h in group) for group in d["tied_parameters"]),
             tuple(StageFacts.from_json(s) for s in d["stages"]),
+            d.get("micro_batch_size"),
+            d.get("capture", "fx"),
         )
 
 
 def measure_stash_bytes(
-    stage: nn.Module, inputs: tuple[Tensor, ...], loss: Callable[[Tensor], Tensor] | None = None
+    stage: nn.Module, inputs: tuple[Tensor, ...], loss: Callable[[Any], Tensor] | None = None
 ) -> int:
     """Bytes autograd saves for the backward during one forward of `stage` on `inputs`.
 

@@ -1,24 +1,25 @@
-"""Split a traced decoder into pipeline stages at block boundaries.
+"""Which block each node of a captured model belongs to, and how many blocks each stage gets.
 
 The *blocks* are the children of the model's longest `nn.ModuleList` (`model.blocks`,
-`model.layers`, …). Every node belongs to one block (through `meta["nn_module_stack"]`); nodes
-outside the blocks go with the block before them, or with block 0 when they come first, so the
-embedding lands on the first stage and the final norm and head on the last. A partition is a
-list of block counts per stage (each ≥ 1); the policy `node -> stage` is handed to
-`torch.fx.passes.split_module.split_module(..., keep_original_order=True)`.
+`model.layers`, `encoder.layers` of `nn.TransformerEncoder`, …), or of its longest
+`nn.Sequential` when it has no ModuleList. Every node belongs to one block (through
+`meta["nn_module_stack"]`); nodes outside the blocks go with the block before them, or with
+block 0 when they come first, so the embedding lands on the first stage and the final norm and
+head on the last. A partition is a list of block counts per stage (each ≥ 1); `stages.split`
+cuts the graph accordingly.
 
 Policies: `uniform` (equal block counts, the first `L mod S` stages one more), `balanced`
 (contiguous blocks minimising the largest per-stage cost, embedding and head included, then the
-spread of the others), or an explicit list.
+spread of the others), an explicit list, or split points naming the blocks where stages begin.
 """
 
 from __future__ import annotations
 
-import operator
 import re
+from collections.abc import Sequence
+from itertools import pairwise
 
 from torch import fx, nn
-from torch.fx.passes.split_module import split_module
 
 from pipec.frontend.spec import FrontendError
 
@@ -26,21 +27,29 @@ PARTITION_MODES = ("uniform", "balanced")
 
 
 def find_blocks(model: nn.Module) -> tuple[str, int]:
-    """Path and length of the model's longest `nn.ModuleList`: its repeated blocks."""
-    lists = [(len(m), name) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-    lists = [(n, name) for n, name in lists if n > 0]
-    if not lists:
-        raise FrontendError(
-            f"{type(model).__name__} has no nn.ModuleList of blocks; pipec splits a model between "
-            "the blocks of a ModuleList (e.g. self.blocks = nn.ModuleList(...))"
-        )
-    n, name = max(lists, key=lambda t: t[0])  # max keeps the first of equals: deterministic
-    return name, n
+    """Path and length of the model's longest `nn.ModuleList` (else `nn.Sequential`): its
+    repeated blocks. The path of a model that is itself a Sequential is ""."""
+    for kind in (nn.ModuleList, nn.Sequential):
+        lists = [(len(m), name) for name, m in model.named_modules() if isinstance(m, kind)]
+        lists = [(n, name) for n, name in lists if n > 0]
+        if lists:
+            n, name = max(lists, key=lambda t: t[0])  # max keeps the first of equals
+            return name, n
+    raise FrontendError(
+        f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of blocks; pipec splits a "
+        "model between the blocks of one (e.g. self.blocks = nn.ModuleList(...))"
+    )
+
+
+def block_name(blocks: str, index: int) -> str:
+    """Qualified name of block `index` of the container at `blocks`."""
+    return f"{blocks}.{index}" if blocks else str(index)
 
 
 def block_of_nodes(gm: fx.GraphModule, blocks: str, n_blocks: int) -> dict[fx.Node, int]:
     """The block index of every node (see the module docstring for nodes outside blocks)."""
-    pattern = re.compile(rf"^{re.escape(blocks)}\.(\d+)(\.|$)")
+    prefix = re.escape(blocks) + r"\." if blocks else ""
+    pattern = re.compile(rf"^{prefix}(\d+)(\.|$)")
     result: dict[fx.Node, int] = {}
     current = 0
     seen = set()
@@ -52,13 +61,23 @@ def block_of_nodes(gm: fx.GraphModule, blocks: str, n_blocks: int) -> dict[fx.No
                 seen.add(current)
                 break
         result[node] = current
-    if len(seen) != n_blocks:
-        missing = sorted(set(range(n_blocks)) - seen)
+    # A block without parameters may leave no node (an nn.Identity under torch.export).
+    missing = [i for i in range(n_blocks) if i not in seen and _holds_parameters(gm, blocks, i)]
+    if missing:
         raise FrontendError(
-            f"blocks {blocks}.{missing} never ran in forward; pipec needs every block of "
-            f"{blocks} called once, in order"
+            f"{len(missing)} of the {n_blocks} blocks of {blocks or 'the model'} never ran in "
+            f"forward (first: {block_name(blocks, missing[0])}); pipec needs every block "
+            "called once, in order"
         )
     return result
+
+
+def _holds_parameters(gm: fx.GraphModule, blocks: str, index: int) -> bool:
+    try:
+        block = gm.get_submodule(block_name(blocks, index))
+    except AttributeError:  # an exported module keeps only the modules holding tensors
+        return False
+    return any(True for _ in block.parameters())
 
 
 def uniform(n_blocks: int, n_stages: int) -> list[int]:
@@ -135,102 +154,36 @@ def resolve(
     return "explicit", counts
 
 
-def split(
-    gm: fx.GraphModule, model: nn.Module, block_of: dict[fx.Node, int], counts: list[int]
-) -> list[fx.GraphModule]:
-    """Stage graph modules in order, chained: stage k's outputs are stage k+1's inputs, in order.
+def split_point_counts(
+    points: Sequence[str], blocks: str, n_blocks: int, n_stages: int
+) -> list[int]:
+    """Block counts per stage for split points naming the blocks where stages 1, 2, … begin.
 
-    Stage modules keep the model's parameter names (`blocks.3.attn.qkv.weight`) and share the
-    model's parameters. Parameters and buffers read directly (`get_attr`) move into each stage
-    that reads them. Raises `FrontendError` when a value skips a stage (only neighbouring stages
-    can exchange tensors) or when the model output does not come from the last stage.
+    A point is a block's qualified name (`model.layers.4`) or a dotted suffix of it
+    (`layers.4`). Raises `FrontendError` for a point that names no block, points out of order,
+    a point at block 0 (stage 0 would be empty), or a count that does not make `n_stages`.
     """
-    stage_of_block = [s for s, c in enumerate(counts) for _ in range(c)]
-    qualnames: dict[str, str] = {}
-    root = split_module(
-        gm,
-        model,
-        lambda node: stage_of_block[block_of[node]],
-        qualname_map=qualnames,
-        keep_original_order=True,
-    )
-    calls = [n for n in root.graph.nodes if n.op == "call_module"]
-    assert [c.target for c in calls] == [f"submod_{k}" for k in range(len(counts))], calls
-    inputs = [n for n in root.graph.nodes if n.op == "placeholder"]
-    stages = []
-    for k, call in enumerate(calls):
-        graph = _copy_graph(getattr(root, str(call.target)).graph, f"{call.target}.", qualnames)
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        order = {}
-        for ph, arg in zip(placeholders, call.args, strict=True):
-            if arg.op == "get_attr":
-                _inline_get_attr(graph, ph, str(arg.target))
-            else:
-                order[ph] = _source_index(root, arg, k, calls, inputs, model)
-        if k == 0 and sorted(order.values()) != list(range(len(inputs))):
+    names = [block_name(blocks, i) for i in range(n_blocks)]
+    starts = []
+    for point in points:
+        hits = [i for i, name in enumerate(names) if name == point or name.endswith("." + point)]
+        if len(hits) != 1:
             raise FrontendError(
-                f"every input of {type(model).__name__}.forward must be used by the first stage"
+                f"split point {point!r} names no block of {blocks or 'the model'}; "
+                f"use one of {names[0]} to {names[-1]}"
             )
-        anchor = next(n for n in graph.nodes if n.op != "placeholder")
-        for ph in sorted(order, key=order.__getitem__):
-            anchor.prepend(ph)
-        graph.lint()
-        stages.append(fx.GraphModule(model, graph, f"Stage{k}"))
-    output = next(n for n in root.graph.nodes if n.op == "output")
-    if output.args[0] is not calls[-1]:
+        starts.append(hits[0])
+    bounds = [0, *starts, n_blocks]
+    for k, (a, b) in enumerate(pairwise(bounds)):
+        if a >= b:
+            where = f"after {points[k - 1]!r}" if k else "at the first block"
+            raise FrontendError(
+                f"split point {points[k]!r} comes {where}: split points must name blocks in "
+                f"increasing order, after {names[0]}"
+            )
+    if len(points) + 1 != n_stages:
         raise FrontendError(
-            f"{type(model).__name__}.forward must return one tensor computed by its last block "
-            "or after it (pipec applies loss_fn to it on the last stage)"
+            f"{len(points)} split points make {len(points) + 1} stages, but the schedule has "
+            f"{n_stages} (p·v); give {n_stages - 1} split points"
         )
-    return stages
-
-
-def _copy_graph(graph: fx.Graph, prefix: str, qualnames: dict[str, str]) -> fx.Graph:
-    """A copy of a split_module partition whose module targets are the model's qualified names."""
-    new = fx.Graph()
-    new.output(new.graph_copy(graph, {}))
-    for node in new.nodes:
-        if node.op in ("call_module", "get_attr"):
-            node.target = qualnames.get(prefix + str(node.target), node.target)
-    return new
-
-
-def _inline_get_attr(graph: fx.Graph, placeholder: fx.Node, target: str) -> None:
-    """Replace a placeholder fed by the root's `get_attr` with a `get_attr` in the stage itself."""
-    anchor = next(n for n in graph.nodes if n.op != "placeholder")
-    with graph.inserting_before(anchor):
-        attr = graph.get_attr(target)
-    attr.meta = placeholder.meta
-    placeholder.replace_all_uses_with(attr)
-    graph.erase_node(placeholder)
-
-
-def _source_index(
-    root: fx.GraphModule,
-    arg: fx.Node,
-    k: int,
-    calls: list[fx.Node],
-    inputs: list[fx.Node],
-    model: nn.Module,
-) -> int:
-    """Position of `arg` in what stage k receives: the model inputs (k = 0) or stage k-1's
-    outputs."""
-    if k == 0:
-        if arg in inputs:
-            return inputs.index(arg)
-        raise AssertionError(f"stage 0 input {arg} is neither a model input nor a parameter")
-    if arg is calls[k - 1]:
-        return 0
-    if arg.op == "call_function" and arg.target is operator.getitem and arg.args[0] is calls[k - 1]:
-        return int(arg.args[1])  # type: ignore[arg-type]
-    if arg in inputs:
-        source = f"model input '{arg.name}'"
-    else:
-        producer, index = (arg.args[0], arg.args[1]) if arg.op == "call_function" else (arg, 0)
-        values = next(n for n in getattr(root, producer.target).graph.nodes if n.op == "output")
-        value = values.args[0][index] if isinstance(values.args[0], tuple) else values.args[0]
-        source = f"value '{value}' of stage {calls.index(producer)}"
-    raise FrontendError(
-        f"{source} is used by stage {k} of {type(model).__name__}; stages only pass tensors to "
-        "the next stage, so compute it inside each block or carry it in the residual stream"
-    )
+    return [b - a for a, b in pairwise(bounds)]

@@ -1,4 +1,4 @@
-"""The frontend driver: factory → trace → partition → stage facts, and stage rebuilding.
+"""The frontend driver: factory → capture → partition → stage facts, and stage rebuilding.
 
 Public entry points (re-exported by `pipec.frontend`):
 
@@ -10,18 +10,27 @@ Public entry points (re-exported by `pipec.frontend`):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, fx
+from torch import fx
 
-from pipec.frontend.cost import Flops, loss_flops, node_flops
+from pipec.frontend.boundaries import input_names, named_leaves, run_boundaries
+from pipec.frontend.cost import Flops, count_flops
 from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, measure_stash_bytes
-from pipec.frontend.partition import block_of_nodes, find_blocks, resolve, split
+from pipec.frontend.partition import (
+    block_name,
+    block_of_nodes,
+    find_blocks,
+    resolve,
+    split_point_counts,
+)
 from pipec.frontend.spec import DEFAULT_SEED, FrontendError, ModelSpec, load_factory
-from pipec.frontend.trace import trace
+from pipec.frontend.stages import split
+from pipec.frontend.trace import export, trace
 
-# Converts estimated FLOPs to seconds when not profiling: a round number of the order of one
+# Converts counted FLOPs to seconds when not profiling: a round number of the order of one
 # modern accelerator's sustained dense throughput. Only ratios matter to the scheduler.
 DEFAULT_FLOPS_PER_S = 100e12
 
@@ -30,10 +39,11 @@ Partition = str | list[int]
 
 @dataclass(frozen=True)
 class _Traced:
-    """A traced model with its blocks located."""
+    """A captured model with its blocks located."""
 
     spec: ModelSpec
     gm: fx.GraphModule
+    capture: str  # "fx" or "export"
     blocks_path: str
     n_blocks: int
     block_of: dict[fx.Node, int]
@@ -51,61 +61,71 @@ def build_model_plan(
     flops_per_s: float = DEFAULT_FLOPS_PER_S,
     runs: int = 5,
     progress: bool = True,
+    device: str | None = None,
+    micro_batch_size: int | None = None,
+    split_points: Sequence[str] | None = None,
 ) -> ModelPlan:
-    """Trace, partition and measure the model of `spec` for `n_stages` = p·v stages.
+    """Capture, partition and measure the model of `spec` for `n_stages` = p·v stages.
 
     partition: "balanced" (default), "uniform", "3,2,2,1" or [3, 2, 2, 1] (blocks per stage).
+    split_points: block names where stages 1, 2, … begin (`layers.4`); they, or else the
+        spec's `split_points`, take the place of `partition`.
     profile: time F, B, W of every stage on the local device (median of `runs`, progress bar
-        on stderr unless `progress=False`) instead of converting estimated FLOPs at
+        on stderr unless `progress=False`) instead of converting counted FLOPs at
         `flops_per_s`. FLOPs are recorded either way.
     v: chunks per rank (n_stages must be a multiple); replicas: 1, or 2 for bidirectional
         schedules (recorded; `build_stages` is called once per replica).
+    device: move the model there before anything is measured (`--device`; default: where the
+        factory builds it).
+    micro_batch_size: ask the factory for micro-batches of this size (recorded, so that
+        `build_stages` asks again).
     Raises FrontendError with a one-line message for any problem with the model or arguments.
     """
     if n_stages < 1 or v < 1 or n_stages % v:
         raise FrontendError(f"n_stages={n_stages} must be a positive multiple of v={v} (S = p·v)")
     if replicas not in (1, 2):
         raise FrontendError(f"replicas={replicas}: use 1, or 2 for bidirectional schedules")
-    traced = _trace(spec, seed)
+    traced = _trace(spec, seed, None, device, micro_batch_size)
     ms = traced.spec
-    block_flops = _block_flops(traced)
-    mode, counts = resolve(partition, [f.total for f in block_flops], n_stages)
-    stages = split(traced.gm, ms.model, traced.block_of, counts)
-    inputs = _boundaries(stages, ms.example_inputs)
+    mode, counts = _partition(traced, n_stages, partition, split_points)
+    stages = split(traced.gm, traced.block_of, counts)
+    inputs, output = run_boundaries(stages, ms)
+    loss = _last_loss(ms)
     starts = [sum(counts[:k]) for k in range(n_stages)]
-    stage_flops = [sum(block_flops[a : a + c], Flops()) for a, c in zip(starts, counts)]
+    stage_costs = count_flops(stages, inputs, starts, traced.blocks_path, loss)
+    stages = split(traced.gm, traced.block_of, counts)  # fresh: costing split their backward
     stashes = [
-        measure_stash_bytes(st, x, _last_loss(ms) if k == n_stages - 1 else None)
-        for k, (st, x) in enumerate(zip(stages, inputs[:-1]))
+        measure_stash_bytes(st, x, loss if k == n_stages - 1 else None)
+        for k, (st, x) in enumerate(zip(stages, inputs))
     ]
     if profile:
         from pipec.frontend.profile import profile_stages  # imports the runtime package
 
         try:
-            seconds = profile_stages(
-                stages, inputs[:-1], _last_loss(ms), runs=runs, progress=progress
-            )
+            seconds = profile_stages(stages, inputs, loss, runs=runs, progress=progress)
         except ValueError as e:
             raise FrontendError(f"cannot profile {_name(spec)}: {e}") from e
     else:
         seconds = [
-            Costs(f.F / flops_per_s, f.B / flops_per_s, f.W / flops_per_s) for f in stage_flops
+            Costs(f.F / flops_per_s, f.B / flops_per_s, f.W / flops_per_s) for f in stage_costs
         ]
     facts = []
     for k, stage in enumerate(stages):
-        outputs = inputs[k + 1]
-        out_names = _input_names(stages[k + 1]) if k + 1 < n_stages else ("output",)
+        if k + 1 < n_stages:
+            out_names, out_values = input_names(stages[k + 1]), inputs[k + 1]
+        else:
+            out_names, out_values = named_leaves(output)
         params = list(stage.parameters())  # each shared tensor once
         facts.append(
             StageFacts(
                 stage=k,
                 blocks=(starts[k], starts[k] + counts[k]),
-                inputs=tuple(TensorFacts.of(n, t) for n, t in zip(_input_names(stage), inputs[k])),
-                outputs=tuple(TensorFacts.of(n, t) for n, t in zip(out_names, outputs)),
+                inputs=tuple(TensorFacts.of(n, t) for n, t in zip(input_names(stage), inputs[k])),
+                outputs=tuple(TensorFacts.of(n, t) for n, t in zip(out_names, out_values)),
                 params=sum(p.numel() for p in params),
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
                 stash_bytes=stashes[k],
-                flops=Costs(stage_flops[k].F, stage_flops[k].B, stage_flops[k].W),
+                flops=Costs(stage_costs[k].F, stage_costs[k].B, stage_costs[k].W),
                 seconds=seconds[k],
             )
         )
@@ -125,6 +145,8 @@ def build_model_plan(
         device=str(ms.example_inputs[0].device),
         tied=_tied(stages),
         stages=tuple(facts),
+        micro_batch_size=micro_batch_size,
+        capture=traced.capture,
     )
 
 
@@ -133,30 +155,40 @@ def split_model(
     n_stages: int,
     partition: Partition = "balanced",
     seed: int = DEFAULT_SEED,
+    *,
+    split_points: Sequence[str] | None = None,
 ) -> list[fx.GraphModule]:
     """The model's stages in order; chaining them computes exactly the unsplit forward."""
     traced = _trace(spec, seed)
-    _, counts = resolve(partition, [f.total for f in _block_flops(traced)], n_stages)
-    return split(traced.gm, traced.spec.model, traced.block_of, counts)
+    _, counts = _partition(traced, n_stages, partition, split_points)
+    return split(traced.gm, traced.block_of, counts)
 
 
-def build_stages(spec: str | None, plan_json: dict, stages: list[int]) -> list[fx.GraphModule]:
+def build_stages(
+    spec: str | None,
+    plan_json: dict,
+    stages: list[int],
+    *,
+    device: torch.device | str | None = None,
+) -> list[fx.GraphModule]:
     """Rebuild the factory with the plan's seed and partition; return `stages`' modules in order.
 
-    `spec` None uses the plan's own. Raises FrontendError when the model no longer matches the
-    plan (different blocks or parameter counts).
+    `spec` None uses the plan's own. `device`: move the model and its example there before
+    capturing, so that the devices an exported graph names (`arange(..., device=...)`) are the
+    run's. Raises FrontendError when the model no longer matches the plan (different blocks or
+    parameter counts).
     """
     plan = ModelPlan.from_json(plan_json)
     spec = spec or plan.spec
     if spec is None:
         raise FrontendError("the plan was built from a ModelSpec object; pass the factory spec")
-    traced = _trace(spec, plan.seed)
+    traced = _trace(spec, plan.seed, plan.capture, device, plan.micro_batch_size)
     if (traced.blocks_path, traced.n_blocks) != (plan.blocks_path, plan.n_blocks):
         raise FrontendError(
             f"{spec} now has {traced.n_blocks} blocks in {traced.blocks_path}, the plan "
             f"{plan.n_blocks} in {plan.blocks_path}; recompile"
         )
-    modules = split(traced.gm, traced.spec.model, traced.block_of, list(plan.partition))
+    modules = split(traced.gm, traced.block_of, list(plan.partition))
     for k in stages:
         if not 0 <= k < plan.n_stages:
             raise FrontendError(f"stage {k} does not exist: the plan has {plan.n_stages} stages")
@@ -169,21 +201,73 @@ def build_stages(spec: str | None, plan_json: dict, stages: list[int]) -> list[f
     return [modules[k] for k in stages]
 
 
-def _trace(spec: str | ModelSpec, seed: int) -> _Traced:
-    ms = load_factory(spec, seed) if isinstance(spec, str) else spec
-    gm = trace(ms)
+def _trace(
+    spec: str | ModelSpec,
+    seed: int,
+    capture: str | None = None,
+    device: torch.device | str | None = None,
+    micro_batch_size: int | None = None,
+) -> _Traced:
+    """Capture the model (`capture`, else the spec's choice) and locate its blocks; with
+    `device`, first move the model and its example batch there (`--device`, or a rank's own).
+
+    "auto" takes torch.fx's graph when symbolic tracing sees into every block (module-level
+    nodes, functions such as `runtime.kernels.attention` kept whole), else torch.export's: for
+    a model fx cannot trace, and for blocks fx keeps as one opaque call (`torch.nn` layers such
+    as `nn.TransformerEncoderLayer`), whose weight gradients could not be deferred to W.
+    """
+    if isinstance(spec, str):
+        ms = load_factory(spec, seed, micro_batch_size)
+    elif micro_batch_size is not None:
+        raise FrontendError("micro_batch_size asks a factory: pass its spec, not a ModelSpec")
+    else:
+        ms = spec
+    if device is not None:
+        from pipec.frontend.profile import on_device  # imports the runtime package
+
+        ms = on_device(ms, str(device))
+    method = capture or ms.capture
     blocks_path, n_blocks = find_blocks(ms.model)
-    return _Traced(ms, gm, blocks_path, n_blocks, block_of_nodes(gm, blocks_path, n_blocks))
+    if method in ("auto", "fx"):
+        try:
+            gm = trace(ms)
+            block_of = block_of_nodes(gm, blocks_path, n_blocks)
+        except FrontendError:
+            if method == "fx":
+                raise
+        else:
+            names = {block_name(blocks_path, i) for i in range(n_blocks)}
+            opaque = any(n.op == "call_module" and n.target in names for n in gm.graph.nodes)
+            if method == "fx" or not opaque:
+                return _Traced(ms, gm, "fx", blocks_path, n_blocks, block_of)
+    gm = export(ms)
+    block_of = block_of_nodes(gm, blocks_path, n_blocks)
+    return _Traced(ms, gm, "export", blocks_path, n_blocks, block_of)
+
+
+def _partition(
+    traced: _Traced, n_stages: int, partition: Partition, split_points: Sequence[str] | None
+) -> tuple[str, list[int]]:
+    """(mode, blocks per stage): from split points if given (argument, else spec), else from
+    `partition` (block costs are counted only for "balanced")."""
+    points = split_points if split_points is not None else traced.spec.split_points
+    if points is not None:
+        counts = split_point_counts(points, traced.blocks_path, traced.n_blocks, n_stages)
+        return "explicit", counts
+    if partition == "balanced" and 1 <= n_stages <= traced.n_blocks:
+        costs = [f.total for f in _block_flops(traced)]
+    else:
+        costs = [0] * traced.n_blocks
+    return resolve(partition, costs, n_stages)
 
 
 def _block_flops(traced: _Traced) -> list[Flops]:
-    """Estimated FLOPs per block; nodes outside blocks and the loss count with their block."""
-    flops = node_flops(traced.gm, traced.spec.example_inputs)
-    per_block = [Flops()] * traced.n_blocks
-    for node, f in flops.items():
-        per_block[traced.block_of[node]] += f
-    per_block[-1] += loss_flops(traced.gm)
-    return per_block
+    """FLOPs per block: each block cut as a stage of its own and counted; what comes before
+    the first block and after the last (embedding, head, loss) counts with them."""
+    blocks = split(traced.gm, traced.block_of, [1] * traced.n_blocks)
+    inputs, _ = run_boundaries(blocks, traced.spec)
+    loss = _last_loss(traced.spec)
+    return count_flops(blocks, inputs, list(range(traced.n_blocks)), traced.blocks_path, loss)
 
 
 def _name(spec: str | ModelSpec) -> str:
@@ -193,23 +277,6 @@ def _name(spec: str | ModelSpec) -> str:
 def _last_loss(ms: ModelSpec):  # type: ignore[no-untyped-def]
     """The last stage's tail: output -> loss on the example target."""
     return lambda out: ms.loss_fn(out, ms.example_target)
-
-
-def _boundaries(
-    stages: list[fx.GraphModule], example: tuple[Tensor, ...]
-) -> list[tuple[Tensor, ...]]:
-    """Every stage's input for the example micro-batch, then the model output (no autograd)."""
-    values, x = [example], example
-    with torch.no_grad():
-        for stage in stages:
-            y = stage(*x)
-            x = (y,) if isinstance(y, Tensor) else tuple(y)
-            values.append(x)
-    return values
-
-
-def _input_names(stage: fx.GraphModule) -> tuple[str, ...]:
-    return tuple(n.name for n in stage.graph.nodes if n.op == "placeholder")
 
 
 def _tied(stages: list[fx.GraphModule]) -> tuple[tuple[tuple[int, str], ...], ...]:

@@ -1,7 +1,10 @@
 """Measure each stage's F, B and W on the local device: median of several runs.
 
 Stages are prepared with `runtime.bwsplit.split_backward`, so B and W are the same code the
-runtime executes. A small progress bar on stderr shows the runs.
+runtime executes. A small progress bar on stderr shows the runs. `--device` (`on_device`) moves
+the factory's model and example batch to the device the build will run on before anything is
+traced or timed, so a GPU run is scheduled with GPU costs; on CUDA each timing point
+synchronises the device first, so the times are the kernels' and not their launches'.
 """
 
 from __future__ import annotations
@@ -10,13 +13,57 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import TextIO
+from dataclasses import replace
+from typing import Any, TextIO
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from pipec.frontend.facts import Costs
+from pipec.frontend.spec import ModelSpec
+from pipec.ir import PipecError
 from runtime.bwsplit import B, W, split_backward
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def profile_device(name: str) -> torch.device:
+    """The device `--device NAME` names, if this machine has it; else PipecError (one line)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in DEVICE_TYPES:
+        raise PipecError(f"--device {name}: pipec profiles on cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PipecError(
+            f"--device {name}: CUDA is not available on this machine (torch "
+            f"{torch.__version__} sees no GPU); profile with --device cpu, or run this command "
+            "where the build will run"
+        )
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise PipecError(
+            f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+        )
+    return device
+
+
+def on_device(ms: ModelSpec, name: str) -> ModelSpec:
+    """`ms` with its model (in place), example inputs and target on the device `name`."""
+    device = profile_device(name)
+    if ms.example_inputs[0].device.type == "meta":
+        raise PipecError(
+            f"--device {name}: the factory builds its model on the meta device, which holds no "
+            "weights to move; build it on a real device to profile it"
+        )
+    return replace(
+        ms,
+        model=ms.model.to(device),
+        example_inputs=tuple(x.to(device) for x in ms.example_inputs),
+        example_target=ms.example_target.to(device),
+    )
 
 
 class ProgressBar:
@@ -26,10 +73,12 @@ class ProgressBar:
     finished line is written, so logs get one line instead of `total` carriage returns.
     """
 
-    def __init__(self, total: int, label: str, stream: TextIO = sys.stderr, width: int = 30):
-        self.total, self.label, self.stream, self.width = total, label, stream, width
+    def __init__(self, total: int, label: str, stream: TextIO | None = None, width: int = 30):
+        # sys.stderr when drawn, not when this module was imported (it may have been replaced)
+        self.total, self.label, self.width = total, label, width
+        self.stream = stream or sys.stderr
         self.done = 0
-        self._live = stream.isatty()
+        self._live = self.stream.isatty()
         if self._live:
             self._draw("\r")
 
@@ -51,7 +100,7 @@ class ProgressBar:
 def profile_stages(
     stages: list[nn.Module],
     stage_inputs: list[tuple[Tensor, ...]],
-    loss: Callable[[Tensor], Tensor],
+    loss: Callable[[Any], Tensor],
     runs: int = 5,
     warmup: int = 1,
     progress: bool = True,
@@ -80,7 +129,8 @@ def profile_stages(
             if last:
                 out = loss(out)
             t1 = _now(device)
-            B(stage, run, out, None if last else torch.ones_like(out), leaves)
+            outputs = [t for t in pytree.tree_leaves(out) if t.requires_grad]
+            B(stage, run, outputs, None if last else [torch.ones_like(t) for t in outputs], leaves)
             t2 = _now(device)
             W(stage, run)
             t3 = _now(device)

@@ -1,22 +1,32 @@
-"""Trace a model with torch.fx, turning tracing failures into one-line user errors.
+"""Capture a model as one fx graph: torch.fx symbolic tracing or torch.export.
 
 `trace(spec)` is `torch.fx.symbolic_trace` with the spec's concrete arguments and leaf modules,
-plus `runtime.kernels.attention` recorded as one call. When tracing fails, `FrontendError` names
-the module being traced, the file:line of the user code that failed, and the fix.
+plus `runtime.kernels.attention` recorded as one call: module-level graphs (`call_module` of
+each `nn.Linear`) that run on any device. `export(spec)` is `torch.export.export` (non-strict):
+an ATen-level graph that goes through what symbolic tracing cannot (shape arithmetic,
+`ModelOutput`s, Hugging Face mask builders, `torch.nn` containers); parameters keep their
+qualified names as `get_attr` targets and every node its `meta["nn_module_stack"]`. Either way,
+a failure becomes `FrontendError`: the module being captured, the file:line of the user code
+that failed, and the fix.
 """
 
 from __future__ import annotations
 
+import inspect
+import io
 import linecache
+import logging
 import operator
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from pipec.frontend.spec import FrontendError, ModelSpec
 
@@ -25,7 +35,7 @@ _FRONTEND_DIR = str(Path(__file__).parent)
 
 
 class _Tracer(torch.fx.Tracer):
-    """A Tracer that remembers which module was being traced when an exception escaped."""
+    """A Tracer that also treats the spec's leaf module types as leaves."""
 
     def __init__(
         self,
@@ -37,15 +47,6 @@ class _Tracer(torch.fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return isinstance(m, self._leaf_types) or super().is_leaf_module(m, module_qualified_name)
-
-    def call_module(self, m, forward, args, kwargs):  # type: ignore[no-untyped-def]
-        try:
-            return super().call_module(m, forward, args, kwargs)
-        except Exception as e:
-            # The innermost module sets it first; outer modules leave it alone.
-            if not hasattr(e, "_pipec_module"):
-                e._pipec_module = (self.path_of_module(m), type(m).__name__)  # type: ignore
-            raise
 
 
 def trace(spec: ModelSpec) -> torch.fx.GraphModule:
@@ -59,9 +60,110 @@ def trace(spec: ModelSpec) -> torch.fx.GraphModule:
     try:
         graph = tracer.trace(model, concrete_args=spec.concrete_args)
     except Exception as e:
-        raise FrontendError(_explain(e, model)) from e
+        raise FrontendError(_explain(e, model, "trace")) from e
     _drop_guarded_placeholders(graph)
     return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def export(spec: ModelSpec) -> torch.fx.GraphModule:
+    """`torch.export` `spec.model` on its example inputs; a flat ATen graph module.
+
+    The module shares the model's parameters and keeps their names; its graph's codegen holds
+    the output's pytree spec (`graph._codegen.pytree_info.out_spec`), so calling it returns
+    what the model returns. Keyword arguments: the spec's `concrete_args`, and
+    `use_cache=False` for a forward that takes `use_cache` (decoders of `transformers`, whose
+    key/value cache is for generation, not training). Guard and metadata assertions are
+    removed: they pin the capture's device and add nothing to a training step.
+    """
+    model = spec.model
+    kwargs = dict(spec.concrete_args or {})
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs.setdefault("use_cache", False)
+    try:
+        with _quiet():
+            program = torch.export.export(model, spec.example_inputs, kwargs, strict=False)
+        gm = program.module()
+    except Exception as e:
+        raise FrontendError(_explain(e, model, "export")) from e
+    _drop_assertions(gm)
+    _positional_only(gm, len(spec.example_inputs))
+    _read_tied_parameters_by_owner(gm)
+    return gm
+
+
+def _read_tied_parameters_by_owner(gm: torch.fx.GraphModule) -> None:
+    """Read a tied parameter under the name of the module using it.
+
+    export reads a parameter shared by two modules (a tied embedding and LM head) under one of
+    its names everywhere; the stage holding the embedding would then name it after the head.
+    Each use gets its own `get_attr` of the name its module (innermost `nn_module_stack`
+    entry) knows it by, so every stage keeps the name its layer has in the model.
+    """
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    for attr in [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in params]:
+        param = params[str(attr.target)]
+        for user in list(attr.users):
+            stack = list((user.meta.get("nn_module_stack") or {}).values())
+            owner = stack[-1][0] if stack else ""
+            own = [
+                k
+                for k, p in params.items()
+                if p is param and k.startswith(owner + ".") and "." not in k[len(owner) + 1 :]
+            ]
+            if owner and own and own[0] != attr.target:
+                with gm.graph.inserting_before(user):
+                    renamed = gm.graph.get_attr(own[0])
+                renamed.meta = dict(attr.meta)
+                user.replace_input_with(attr, renamed)
+        if not attr.users:
+            gm.graph.erase_node(attr)
+    gm.recompile()
+
+
+def _positional_only(gm: torch.fx.GraphModule, n_args: int) -> None:
+    """Drop the placeholders of keyword arguments (export specialised them to constants), so
+    that the module takes the example inputs positionally, as stages do."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for ph in placeholders[n_args:]:
+        if ph.users:
+            raise FrontendError(
+                f"{type(gm).__name__}: keyword argument {ph.name!r} is read as a tensor; pass it "
+                "as an example input (ModelSpec.example_inputs) instead of concrete_args"
+            )
+        gm.graph.erase_node(ph)
+    names = [ph.name for ph in placeholders[:n_args]]
+    info = gm.graph._codegen.pytree_info
+    gm.graph._codegen.pytree_info = info._replace(
+        orig_args=names, in_spec=pytree.tree_structure((tuple(names), {}))
+    )
+    gm.recompile()
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence torch's warnings and its printed graph of a failing export: a failure is
+    reported in one line, by us."""
+    logging.disable(logging.WARNING)
+    try:
+        with redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _drop_assertions(gm: torch.fx.GraphModule) -> None:
+    """Remove export's guard call and every ATen op that returns nothing (metadata asserts)."""
+    for node in list(gm.graph.nodes):
+        guard = node.op == "call_module" and str(node.target).startswith("_guards")
+        check = (
+            node.op == "call_function"
+            and isinstance(node.target, torch._ops.OpOverload)
+            and not node.target._schema.returns
+        )
+        if (guard or check) and not node.users:
+            gm.graph.erase_node(node)
+    gm.delete_all_unused_submodules()
+    gm.recompile()
 
 
 _GUARDS = {operator.eq, torch._assert, torch.fx._symbolic_trace._assert_is_none}
@@ -95,37 +197,56 @@ def _autowrapped() -> tuple[Callable[..., Any], ...]:
     return (attention,)
 
 
-def _explain(e: Exception, model: nn.Module) -> str:
+_CONCRETE = "pass a concrete argument (ModelSpec.concrete_args)"
+
+
+def _explain(e: Exception, model: nn.Module, how: str) -> str:
     """One line: which module, which file:line, what went wrong, what to do."""
-    path, type_name = getattr(e, "_pipec_module", ("", type(model).__name__))
+    path, type_name = _failing_module(e, model)
     module = f"module '{path}' ({type_name})" if path else f"the top-level module ({type_name})"
     frame = _user_frame(e)
     where = f"{frame.filename}:{frame.lineno}" if frame else "unknown location"
     code = linecache.getline(frame.filename, frame.lineno).strip() if frame else ""
     quoted = f" `{code}`" if code else ""
     message = str(e).splitlines()[0] if str(e) else type(e).__name__
-    if isinstance(e, torch.fx.proxy.TraceError) and "control flow" in message:
-        if code.startswith("assert"):
-            what = (
-                "a Python assert on a traced value",
-                "remove the assert or pass a concrete argument (ModelSpec.concrete_args)",
-            )
-        else:
-            what = (
-                "control flow depends on a traced value",
-                "move the branch out or pass a concrete argument (ModelSpec.concrete_args)",
-            )
+    data_dependent = "data-dependent" in message or (
+        isinstance(e, torch.fx.proxy.TraceError) and "control flow" in message
+    )
+    if data_dependent and code.startswith("assert"):
+        what = ("a Python assert on a traced value", f"remove the assert or {_CONCRETE}")
+    elif data_dependent:
+        what = (
+            "control flow depends on a traced value",
+            f"move the branch out, use torch.cond, or {_CONCRETE}",
+        )
     elif isinstance(e, TypeError) and ("slice indices" in message or "indices must be" in message):
         what = (
             "a tensor is sliced by a traced size",
-            "slice with a constant, or mark the module a leaf (ModelSpec.leaf_modules)",
+            (
+                "slice with a constant, mark the module a leaf (ModelSpec.leaf_modules) or "
+                'capture with torch.export (ModelSpec.capture="export")'
+            ),
         )
     else:
         what = (
             f"{type(e).__name__}: {message}",
-            "make the failing code traceable, or mark the module a leaf (ModelSpec.leaf_modules)",
+            "make the failing code traceable"
+            + (", or mark the module a leaf (ModelSpec.leaf_modules)" if how == "trace" else ""),
         )
-    return f"cannot trace {module} at {where}:{quoted} {what[0]}; {what[1]}"
+    return f"cannot {how} {module} at {where}:{quoted} {what[0]}; {what[1]}"
+
+
+def _failing_module(e: BaseException, model: nn.Module) -> tuple[str, str]:
+    """(qualified name, type name) of the innermost module whose forward was running."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found = ("", type(model).__name__)
+    tb = e.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            found = (names[id(owner)], type(owner).__name__)
+        tb = tb.tb_next
+    return found
 
 
 def _user_frame(e: BaseException) -> traceback.FrameSummary | None:

@@ -1,17 +1,23 @@
-"""Compile a plan's candidate for its model: the very programs the plan simulated, runnable.
+"""Build a plan's candidate for its model: the very programs the plan simulated, runnable.
 
 `pipec compile MODEL` prices a build from the frontend's FLOP estimate; lowering orders sends
 and the eviction pass picks its moves by simulated times, so a build priced that way can hold
 other programs than the candidate the plan ranked. Here the build keeps the plan's own cost
 model (the profiled per-chunk F/B/W and stash bytes at the candidate's micro-batch size, times
-converted to ms, the unit of model builds), beside the model section the runtime needs
-to rebuild the stages: the frontend's balanced partition, which is the one the profile priced.
-Its `OUT/measured/stats.json` then compares a run with exactly the plan's prediction.
+converted to ms, the unit of model builds), beside the model section the runtime needs to
+rebuild the stages: the chunks the profile priced (blocks per stage), the factory asked for the
+candidate's micro-batch size. The model section also records the plan's prediction, which
+`pipec show` puts beside a run's measured iteration time.
+
+`pipec plan --out` builds a row by running the `pipec compile --plan-profile` command line it
+prints (`command_line`), so the two are one path: the same saved profile, the same functions.
 """
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import replace
+from pathlib import Path
 
 from passes.costs import CostModel
 from passes.registry import Request, build_schedule
@@ -19,7 +25,8 @@ from passes.topology import Link
 from pipec.compile import CompileResult, compile_schedule
 from pipec.ir import PipecError
 from pipec.model import MS_PER_S, model_plan
-from pipec.plan.candidates import Evaluated
+from pipec.plan.candidates import CompileRequest, Evaluated, evaluate_one
+from pipec.plan.saved import SavedProfile
 
 COST_SOURCE = "pipec plan profile"
 
@@ -44,17 +51,25 @@ def in_ms(costs: CostModel) -> CostModel:
     )
 
 
-def compile_candidate(ev: Evaluated, spec: str) -> CompileResult:
-    """Compile `ev` for the model of `spec`, whose factory must give micro-batches of `ev.mbs`."""
+def compile_candidate(
+    ev: Evaluated, spec: str, dp: int = 1, profile_digest: str | None = None
+) -> CompileResult:
+    """Compile `ev` for the model of `spec`, its factory asked for micro-batches of `ev.mbs`
+    (`dp` data-parallel copies add each stage's gradient all-reduce, which the plan does not
+    price; `profile_digest` names the saved profile, recorded beside the prediction)."""
     job = ev.request
     layout = build_schedule(job.schedule, Request(job.p, job.m, job.v)).layout
-    model = model_plan(spec, layout, "balanced", profile=False)
-    batch = model["stages"][0]["inputs"][0]["shape"][0]
-    if batch != ev.mbs:
-        raise PipecError(
-            f"{spec} gives micro-batches of {batch} samples; the candidate needs {ev.mbs}"
-        )
+    partition = ",".join(map(str, ev.chunks.counts))
+    model = model_plan(spec, layout, partition, profile=False, micro_batch_size=ev.mbs)
     model["cost"]["source"] = COST_SOURCE
+    model["planned"] = {
+        "schedule": ev.schedule,
+        "strategy": ev.strategy,
+        "mbs": ev.mbs,
+        "iteration_s": ev.iteration_s,
+        "peak_bytes": ev.peak_bytes,
+        "profile": profile_digest,
+    }
     return compile_schedule(
         job.schedule,
         job.p,
@@ -63,5 +78,69 @@ def compile_candidate(ev: Evaluated, spec: str) -> CompileResult:
         in_ms(ev.costs),
         job.memory_limit,
         model=model,
+        dp=dp,
         **dict(job.options),
+    )
+
+
+def compile_planned(
+    spec: str, saved: SavedProfile, job: CompileRequest, mbs: int, dp: int = 1
+) -> CompileResult:
+    """`pipec compile MODEL --plan-profile FILE`: `job` at `mbs`, priced, simulated and built
+    as `pipec plan` does it from the profile in FILE. The build cuts the model into the
+    chunks the profile priced, so a profile of another model fails there (its blocks)."""
+    if saved.machine is not None and saved.machine.world != job.p:
+        raise PipecError(
+            f"the plan profile prices links for {saved.machine.world} ranks "
+            f"({saved.machine.nodes} node(s) x {saved.machine.gpus_per_node}); compile with "
+            f"--pp {saved.machine.world}, or plan again for {job.p}"
+        )
+    ev = evaluate_one(saved.profile, job, mbs, saved.comm_s, saved.machine)
+    return compile_candidate(ev, spec, dp, saved.digest)
+
+
+def command_line(
+    ev: Evaluated, spec: str, profile: Path, dp: int, out: Path, force: bool = False
+) -> list[str]:
+    """The `pipec compile` arguments that build `ev` from the saved `profile` into `out`."""
+    job = ev.request
+    argv = [
+        "pipec", "compile", spec,
+        "--schedule", job.schedule,
+        "--pp", str(job.p),
+        "--microbatches", str(job.m),
+        "--chunks", str(job.v),
+        "--micro-batch-size", str(ev.mbs),
+        "--plan-profile", str(profile),
+    ]  # fmt: skip
+    if job.memory_limit is not None:
+        argv += ["--memory-limit", repr(job.memory_limit)]  # repr: the float, exactly
+    for key, value in job.options:  # compile_schedule's keywords are compile's options
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    if dp > 1:
+        argv += ["--dp", str(dp)]
+    return [*argv, "--out", str(out), *(["--force"] if force else [])]
+
+
+def shell(argv: list[str]) -> str:
+    return shlex.join(argv)
+
+
+def torchrun_line(out: Path, nproc: int) -> str:
+    return shell(["torchrun", "--standalone", "--nproc-per-node", str(nproc), f"{out}/launch.py"])
+
+
+def planned_line(plan: dict, stats: dict) -> str | None:
+    """The plan's predicted iteration time beside a run's measured one (None: the build did
+    not come from a plan)."""
+    planned = (plan.get("model") or {}).get("planned")
+    if planned is None:
+        return None
+    predicted = planned["iteration_s"] * MS_PER_S
+    measured = stats["measured"]["iteration_ms"]
+    return (
+        f"plan ({planned['schedule']} {planned['strategy']}, mbs {planned['mbs']}): iteration "
+        f"{predicted:.2f} ms predicted vs {measured:.2f} ms measured "
+        f"(x{measured / predicted:.2f})"
     )

@@ -233,6 +233,30 @@ def iteration_time(sim: SimResult, layout: Layout, chunks: Chunks) -> float:
     return max(sim.makespan, *steps)
 
 
+def price(
+    profile: ModelProfile,
+    name: str,
+    req: Request,
+    mbs: int,
+    comm_s: float = 0.0,
+    machine: Topology | None = None,
+) -> tuple[Layout, Chunks, CostModel]:
+    """Family `name`'s layout for `req`, its chunks at `mbs` and their cost model: a family
+    whose programs have no W runs BW, priced by the one-pass backward."""
+    sched = build_schedule(name, req)
+    layout = sched.layout
+    chunks = profile.chunks(layout.n_chunks, mbs)
+    if not any(i.op is Op.W for order in sched.orders for i in order):
+        chunks = chunks.fused()
+    return layout, chunks, cost_model(chunks, layout, comm_s, machine)
+
+
+def _compile(job: CompileRequest, costs: CostModel) -> CompileResult:
+    return compile_schedule(
+        job.schedule, job.p, job.m, job.v, costs, job.memory_limit, **dict(job.options)
+    )
+
+
 def _first_that_compiles(
     jobs: Sequence[CompileRequest], costs: CostModel
 ) -> tuple[CompileRequest, CompileResult]:
@@ -240,13 +264,34 @@ def _first_that_compiles(
     first: PipecError | None = None
     for job in jobs:
         try:
-            return job, compile_schedule(
-                job.schedule, job.p, job.m, job.v, costs, job.memory_limit, **dict(job.options)
-            )
+            return job, _compile(job, costs)
         except PipecError as e:
             first = first or e
     assert first is not None
     raise first
+
+
+def _evaluated(
+    name: str,
+    strategy: str,
+    mbs: int,
+    job: CompileRequest,
+    result: CompileResult,
+    chunks: Chunks,
+    costs: CostModel,
+) -> Evaluated:
+    layout = result.compiled.layout
+    return Evaluated(
+        name,
+        strategy,
+        mbs,
+        job,
+        iteration_time(result.sim, layout, chunks),
+        result.sim.bubble,
+        rank_memory(layout, result.sim, chunks),
+        costs,
+        chunks,
+    )
 
 
 def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
@@ -260,15 +305,12 @@ def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
         for name in schedules:
             v = family(name).default_v
             try:
-                sched = build_schedule(name, Request(p, m, v))
-                layout = sched.layout
-                chunks = profile.chunks(layout.n_chunks, mbs)
-                if not any(i.op is Op.W for order in sched.orders for i in order):
-                    chunks = chunks.fused()  # it runs BW: price the one-pass backward
+                layout, chunks, costs = price(
+                    profile, name, Request(p, m, v), mbs, req.comm_s, req.machine
+                )
             except PipecError as e:
                 out.skipped += [Skipped(name, s, mbs, str(e)) for s in strategies]
                 continue
-            costs = cost_model(chunks, layout, req.comm_s, req.machine)
             budget = Budget(bytes_per_device, stash_budget(layout, chunks, bytes_per_device))
             for strategy in strategies:
                 jobs = STRATEGIES[strategy][1](CompileRequest(name, p, m, v), budget)
@@ -285,17 +327,30 @@ def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
                     out.skipped.append(Skipped(name, strategy, mbs, f"same as {seen[key]}"))
                     continue
                 seen[key] = f"{name} {strategy}"
-                ev = Evaluated(
-                    name,
-                    strategy,
-                    mbs,
-                    job,
-                    iteration_time(result.sim, result.compiled.layout, chunks),
-                    result.sim.bubble,
-                    rank_memory(result.compiled.layout, result.sim, chunks),
-                    costs,
-                    chunks,
-                )
+                ev = _evaluated(name, strategy, mbs, job, result, chunks, costs)
                 (out.fits if ev.peak_bytes <= bytes_per_device else out.over).append(ev)
     out.fits.sort(key=lambda e: (e.iteration_s, e.peak_bytes))
     return out
+
+
+def evaluate_one(
+    profile: ModelProfile,
+    job: CompileRequest,
+    mbs: int,
+    comm_s: float = 0.0,
+    machine: Topology | None = None,
+) -> Evaluated:
+    """The candidate `job` at `mbs`, priced, compiled and simulated as `evaluate` does it: for
+    a job `evaluate` ranked, this is that row (`pipec compile --plan-profile` rebuilds it)."""
+    name = job.schedule
+    if is_recompute_variant(name):
+        name = name.removesuffix(RECOMPUTE_SUFFIX)
+    _, chunks, costs = price(profile, name, Request(job.p, job.m, job.v), mbs, comm_s, machine)
+    return _evaluated(name, strategy_of(job), mbs, job, _compile(job, costs), chunks, costs)
+
+
+def strategy_of(job: CompileRequest) -> str:
+    """The name of the strategy whose transform in `STRATEGIES` yields `job`."""
+    if dict(job.options).get("evict"):
+        return "evict"
+    return "recompute" if is_recompute_variant(job.schedule) else "plain"

@@ -112,8 +112,10 @@ def plan_model(
     runs: int = 3,
     peak_flops: float | None = None,
     progress: bool = True,
+    device: str | None = None,
 ) -> Plan:
-    """Profile `spec` at the micro-batch sizes the batch allows, then plan (see plan_profile).
+    """Profile `spec` at the micro-batch sizes the batch allows, on `device` (default: where
+    its factory builds it), then plan (see plan_profile).
 
     The request is checked before profiling, so a typo costs no measurement.
     """
@@ -121,6 +123,13 @@ def plan_model(
 
     sizes = check(req, mbs)
     profile = profile_model(
-        spec, sizes, time_budget=time_budget, runs=runs, peak_flops=peak_flops, progress=progress
+        spec,
+        sizes,
+        time_budget=time_budget,
+        runs=runs,
+        peak_flops=peak_flops,
+        progress=progress,
+        device=device,
+        p=req.p,
     )
     return plan_profile(profile, req)

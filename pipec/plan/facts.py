@@ -4,12 +4,15 @@ The model is profiled block by block (one block = one entry of the model's Modul
 embedding with the first and the head and loss with the last, as the frontend cuts them), so
 that any partition into chunks (p for 1F1B, p·v for interleaved, 2p for V-shapes) is priced by
 summing its blocks. These values carry no torch: tests build them from synthetic MFU curves.
+`ModelProfile.to_json`/`from_json` round-trip exactly (JSON prints floats as `repr` does), so
+a profile read back from a file prices every candidate as the one measured.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
+from typing import Any
 
 from pipec.ir import PipecError
 
@@ -25,6 +28,10 @@ class FBW:
     @property
     def total(self) -> float:
         return self.F + self.B + self.W
+
+    @staticmethod
+    def from_json(d: dict[str, float]) -> FBW:
+        return FBW(d["F"], d["B"], d["W"])
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,31 @@ class ModelProfile:
     peak_flops: float
     peak_source: str
     stopped: str = ""
+    factory_sized: bool = False
+    """Each size's micro-batch came from the factory's `micro_batch_size` keyword (else the
+    one example micro-batch, sliced or repeated)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> ModelProfile:
+        def point(p: dict[str, Any]) -> MbsPoint:
+            return MbsPoint(
+                p["mbs"],
+                tuple(FBW.from_json(s) for s in p["seconds"]),
+                tuple(p["stash_bytes"]),
+                tuple(p["input_bytes"]),
+                tuple(p["fused_backward"]),
+            )
+
+        blocks = tuple(
+            BlockFacts(b["params"], b["param_bytes"], FBW.from_json(b["flops"]), b["optimizer_s"])
+            for b in d["blocks"]
+        )
+        points = tuple(point(p) for p in d["points"])
+        scalars = {k: v for k, v in d.items() if k not in ("blocks", "points")}
+        return ModelProfile(blocks=blocks, points=points, **scalars)
 
     @cached_property
     def flops_per_sample(self) -> float:

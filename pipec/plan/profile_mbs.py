@@ -1,9 +1,11 @@
 """Profile the model's blocks at micro-batch sizes 1, 2, 4, … on the local device.
 
-The factory hands pipec ONE example micro-batch. A micro-batch of n samples is built from it
-by taking its samples cyclically along dim 0 — every input and the target — so n below the
-example's size is a slice and n above it repeats the example; dim 0 must be the batch
-dimension of all of them. Repeated samples cost what fresh ones would: nothing is cached.
+A factory that takes the `micro_batch_size` keyword gives each size's micro-batch itself, as
+a build at that size will ask it. Otherwise the factory hands pipec ONE example micro-batch,
+and a micro-batch of n samples is built from it by taking its samples cyclically along dim 0 —
+every input and the target — so n below the example's size is a slice and n above it repeats
+the example; dim 0 must be the batch dimension of all of them. Repeated samples cost what
+fresh ones would: nothing is cached.
 
 Each size times F, B and W of every block with the runtime's B/W split (the frontend's profiler)
 in `runs` rounds and keeps each op's fastest, measures each block's stash, and stops early when
@@ -30,7 +32,8 @@ from pipec.frontend import (
     split_model,
 )
 from pipec.frontend.partition import find_blocks
-from pipec.frontend.profile import ProgressBar, _now, profile_stages
+from pipec.frontend.profile import ProgressBar, _now, on_device, profile_stages
+from pipec.frontend.spec import takes_micro_batch_size
 from pipec.ir import PipecError
 from pipec.plan.facts import FBW, BlockFacts, MbsPoint, ModelProfile
 
@@ -50,6 +53,21 @@ def resize(ms: ModelSpec, mbs: int) -> tuple[tuple[Tensor, ...], Tensor]:
     index = torch.arange(mbs, device=tensors[0].device) % sizes.pop()
     *inputs, target = (t[index] for t in tensors)
     return tuple(inputs), target
+
+
+def micro_batch(
+    spec: str, ms: ModelSpec, sized: bool, mbs: int
+) -> tuple[tuple[Tensor, ...], Tensor]:
+    """Inputs and target of `mbs` samples: the factory's own at that size where it takes the
+    keyword (`sized`; its model is dropped on return), else `ms`'s example resized."""
+    if not sized:
+        return resize(ms, mbs)
+    try:
+        at = load_factory(spec, micro_batch_size=mbs)
+    except FrontendError as e:
+        raise PipecError(str(e)) from None
+    device = ms.example_inputs[0].device  # where `--device` moved the profiled model
+    return tuple(x.to(device) for x in at.example_inputs), at.example_target.to(device)
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
@@ -75,11 +93,22 @@ def profile_model(
     runs: int = 3,
     peak_flops: float | None = None,
     progress: bool = True,
+    device: str | None = None,
+    p: int = 1,
 ) -> ModelProfile:
-    """Profile `spec`'s blocks at each size in `sizes` (ascending) until time or memory stops."""
+    """Profile `spec`'s blocks at each size in `sizes` (ascending) until time or memory stops,
+    on `device` (`--device`; default: where the factory builds the model); a model with fewer
+    blocks than the `p` stages of a plan is refused before any of it."""
     try:
         ms = load_factory(spec)
+        ms = ms if device is None else on_device(ms, device)
+        sized = takes_micro_batch_size(spec)
         n_blocks = find_blocks(ms.model)[1]
+        if n_blocks < p:
+            raise PipecError(
+                f"{spec} has {n_blocks} blocks and --pp {p} needs at least one per stage; "
+                f"use --pp {n_blocks} or fewer"
+            )
         one_each = [1] * n_blocks
         facts = build_model_plan(ms, n_blocks, one_each, progress=False)
         blocks = split_model(ms, n_blocks, one_each)
@@ -105,7 +134,8 @@ def profile_model(
         source = "--peak-tflops"
     label = "profiling F/B/W per micro-batch size"
     bar = ProgressBar(len(sizes), label, sys.stderr) if progress else None
-    _measure(ms, blocks, sizes[0], runs=1)  # warm-up: first calls pay one-time set-up
+    # warm-up: first calls pay one-time set-up
+    _measure(ms, blocks, sizes[0], 1, micro_batch(spec, ms, sized, sizes[0]))
     points: list[MbsPoint] = []
     stopped, start, last_dt = "", time.perf_counter(), 0.0
     for mbs in sizes:
@@ -117,9 +147,10 @@ def profile_model(
             elif _activation_bytes(points[-1]) * grow > MEMORY_HEADROOM * _free_bytes(device):
                 stopped = f"free memory before mbs {mbs}"
         if not stopped:
+            batch = micro_batch(spec, ms, sized, mbs)
             t0 = time.perf_counter()
             try:
-                points.append(_measure(ms, blocks, mbs, runs))
+                points.append(_measure(ms, blocks, mbs, runs, batch))
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 stopped = f"out of memory at mbs {mbs}"
@@ -136,12 +167,20 @@ def profile_model(
         peak_flops=peak_flops,
         peak_source=source,
         stopped=stopped,
+        factory_sized=sized,
     )
 
 
-def _measure(ms: ModelSpec, blocks: list, mbs: int, runs: int) -> MbsPoint:  # type: ignore[type-arg]
-    """One size: every block's boundary input, stash bytes and median F/B/W seconds."""
-    inputs, target = resize(ms, mbs)
+def _measure(
+    ms: ModelSpec,
+    blocks: list[torch.nn.Module],
+    mbs: int,
+    runs: int,
+    batch: tuple[tuple[Tensor, ...], Tensor],
+) -> MbsPoint:
+    """One size: every block's boundary input, stash bytes and fastest F/B/W seconds on
+    `batch`, `mbs` samples (`micro_batch`)."""
+    inputs, target = batch
     boundaries = [inputs]
     with torch.no_grad():
         for block in blocks[:-1]:

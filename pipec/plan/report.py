@@ -8,6 +8,7 @@ whose bound is near 1 cannot pay, whatever memory it frees.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from codegen.render import format_bytes
@@ -53,6 +54,7 @@ def render_text(plan: Plan, top: int = 10) -> str:
     """The human-readable report."""
     prof, req = plan.profile, plan.request
     curve = "  ".join(f"{mbs}: {prof.mfu(mbs):.1%}" for mbs in prof.sizes)
+    made = "the factory's" if prof.factory_sized else "the example resized"
     lines = [
         (
             f"pipec plan {prof.name}: p={req.p} dp={req.dp}, global batch "
@@ -61,7 +63,7 @@ def render_text(plan: Plan, top: int = 10) -> str:
         ),
         f"peak {prof.peak_flops / 1e12:.3g} TFLOP/s per device ({prof.peak_source})",
         _machine_line(plan),
-        f"profiled MFU by micro-batch size: {curve}"
+        f"profiled MFU by micro-batch size ({made}): {curve}"
         + (f"  [stopped: {prof.stopped}]" if prof.stopped else ""),
         "",
         (
@@ -134,12 +136,13 @@ def _verdict(table: list[Row]) -> str:
     )
 
 
-def render_json(plan: Plan) -> dict:
-    """One JSON-serialisable object for scripts: inputs, profile, ranked candidates, the rest."""
+def render_json(plan: Plan, command: Callable[[Evaluated], str] | None = None) -> dict:
+    """One JSON-serialisable object for scripts: inputs, profile, ranked candidates, the rest;
+    with `command`, each candidate also carries the `pipec compile` line that builds it."""
     prof, ev, req = plan.profile, plan.evaluation, plan.request
 
     def cand(e: Evaluated) -> dict:
-        return {
+        return ({"command": command(e)} if command else {}) | {
             "family": e.family,
             "schedule": e.schedule,
             "strategy": e.strategy,
@@ -174,6 +177,7 @@ def render_json(plan: Plan) -> dict:
             for pt in prof.points
         ],
         "profile_stopped": prof.stopped,
+        "profile_factory_sized": prof.factory_sized,
         "baseline": cand(plan.baseline) if plan.baseline else None,
         "candidates": [
             cand(r.ev)

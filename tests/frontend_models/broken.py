@@ -70,6 +70,21 @@ def mask_buffer_slice() -> ModelSpec:
     return _spec(MaskBufferSlice)
 
 
+class ReturnsNothing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x: Tensor) -> None:
+        for b in self.blocks:
+            x = b(x)
+
+
+def returns_nothing() -> ModelSpec:
+    x = torch.randn(2, 8, 8)
+    return ModelSpec(ReturnsNothing(), (x,), x, lambda out, y: (out.logits - y).square().mean())
+
+
 def not_a_spec() -> dict:
     return {"model": None}
 

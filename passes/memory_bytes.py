@@ -1,0 +1,299 @@
+"""Peak real bytes per rank: what one training step of the programs holds at its highest.
+
+The prediction plays the memory of every rank on the simulated timeline and samples it after
+each instruction, where the runtime's meter reads it (runtime/meter.py). At each point a rank
+holds, term by term (every figure a measured fact of the model, in bytes):
+
+- params: its stages' parameters (a chunk held by two stages counts twice);
+- optimizer: AdamW's state for them (`pipec.plan.memory.optimizer_bytes`), which exists from the
+  end of the first step on: the prediction is of a step after it;
+- grads: a stage's gradients, from its first backward op of the step (B, BW or W) to the
+  optimizer step, which frees them (the runtime zeroes gradients to None);
+- stash: the simulator's live stashes, each weighing its chunk's stash bytes (what autograd
+  saves, measured by the frontend; a recomputed forward keeps its input bytes until RECOMPUTE),
+  under the simulator's rules for F, B, W, RECOMPUTE, EVICT and LOAD (`activation_profile`);
+  plus the stage output each forward keeps for its backward (autograd needs the tensor), which
+  the frontend's measure leaves out when no op saved it; from B to W (the B/W split), what W
+  needs (the Linear inputs and output gradients), where measured, instead of the simulator's
+  share of the stash;
+- buffers: messages and stash moves in flight. A received activation or gradient holds its
+  buffer from where the runtime posts the receive (`post_points`) to the op that consumes it.
+  A sent gradient, or the activation of a forward that keeps nothing, is held from the op
+  that made it until the first instruction that ends after its transfer completed (the
+  receiver posted, plus `comm` or the link's time). An evicted stash's buffer is held from
+  EVICT to the end of its transfer, a returned one from RETURN to the end of the load
+  (`SimResult.transfers`), and never past the rank's next instruction that allocates stash
+  bytes (`ALLOCATES`), before which the runtime waits for them. A tensor for a later stage
+  on the same rank is held until that stage consumes it;
+- held: stashes evicted by partners, from ACCEPT to RETURN;
+- host: (CPU runs) autograd's own records of each live stash's graph (nodes, tensor headers),
+  from F or RECOMPUTE to the backward, per chunk as measured on this machine; and each posted
+  receive's records beside its buffer (`GLOO_RECV_HOST_BYTES`). A GPU keeps them in host
+  memory, which its meter does not count: there this term is absent.
+
+Not modelled: the working memory inside an instruction (the meter samples between them), a
+tensor shared by two terms (an output a later op of the same stage saves counts twice), the
+micro-batches' token ids and targets (kilobytes).
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from passes.costs import CostModel
+from passes.simulate import SimResult, activation_profile, measured_inputs, uses_recompute
+from pipec.ir import COMPUTE_OPS, RECV_OPS, Instr, Layout, Op
+from pipec.plan.memory import held_chunks, optimizer_bytes
+
+#: Bytes per element of the dtypes a stage boundary carries (plan.json names them).
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+_BACKWARDS = (Op.B, Op.BW)
+#: Instructions that allocate stash bytes (a new stash, a stash buffer to receive into). Before
+#: one of them the runtime waits for its rank's stash moves out to complete (runtime/offload.py).
+ALLOCATES = frozenset({Op.F, Op.RECOMPUTE, Op.LOAD, Op.ACCEPT})
+
+
+#: Host bytes one posted gloo receive holds beside its buffer: the tensor's header (~0.36 KiB)
+#: and gloo's request (~1.3 KiB), measured with torch 2.13 by posting 64 receives of 4 KiB.
+#: Part of the host term of a CPU run (a gloo run posts a step's receives at its start).
+GLOO_RECV_HOST_BYTES = 1650.0
+
+#: How many compute instructions before its consumer the runtime posts a receive, per backend
+#: (None: all of a step's receives at its start). NCCL matches in issue order, so its receives
+#: stay at their program positions.
+POST_AHEAD: dict[str, int | None] = {"gloo": None, "nccl": 0}
+
+
+def post_ahead(backend: str) -> int | None:
+    """The runtime's receive policy on `backend` (see `post_points`)."""
+    return POST_AHEAD.get(backend, 0)
+
+
+def post_points(program: Sequence[Instr], ahead: int | None) -> dict[int, list[int]]:
+    """Where the runtime posts each activation or gradient receive: {k: positions of the
+    receives posted just before instruction k}. A receive is posted before the compute
+    instruction `ahead` compute instructions before it (at its own position for 0, at the
+    step's start when fewer precede it); `ahead` None posts every receive at the start."""
+    posts: dict[int, list[int]] = {}
+    computes: list[int] = []
+    for j, instr in enumerate(program):
+        if instr.op in RECV_OPS:
+            if ahead is None or len(computes) < ahead:
+                k = 0
+            else:
+                k = computes[-ahead] if ahead else j
+            posts.setdefault(k, []).append(j)
+        elif instr.op in COMPUTE_OPS:
+            computes.append(j)
+    return posts
+
+
+@dataclass(frozen=True)
+class ByteFacts:
+    """Per model chunk: parameters and their bytes, the bytes of one message on its output
+    boundary (the activation it sends on, the gradient that comes back; 0 for the last chunk);
+    for a CPU run, autograd's host bytes per live stash (empty: not counted); with the B/W
+    split, the bytes B leaves for W (empty: the simulator's rule, W releases the stash)."""
+
+    params: tuple[int, ...]
+    param_bytes: tuple[int, ...]
+    message: tuple[float, ...]
+    host: tuple[float, ...] = ()
+    w_held: tuple[float, ...] = ()
+    recv_host: float = 0.0
+    """Host bytes a posted receive holds beside its buffer (a CPU run; 0: not counted)."""
+
+    @staticmethod
+    def from_plan(
+        plan: dict, host: Sequence[float] = (), w_held: Sequence[float] = (), recv_host: float = 0.0
+    ) -> ByteFacts:
+        """From a build's plan.json: the frontend's per-chunk facts."""
+        stages = plan["model"]["stages"]
+        message = tuple(
+            sum(
+                math.prod(t["shape"]) * ITEMSIZE[t["dtype"]]
+                for t in st["outputs"]
+                if t["dtype"] in ITEMSIZE
+            )
+            if k + 1 < len(stages)
+            else 0.0
+            for k, st in enumerate(stages)
+        )
+        return ByteFacts(
+            tuple(st["params"] for st in stages),
+            tuple(st["param_bytes"] for st in stages),
+            message,
+            tuple(host),
+            tuple(w_held),
+            recv_host,
+        )
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """One rank's predicted peak in bytes, by term, and the instruction after which it is
+    reached (`after`, an index into the rank's program)."""
+
+    params: int
+    optimizer: int
+    grads: int
+    stash: int
+    buffers: int
+    held: int
+    host: int
+    after: int
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "after")
+
+    def to_json(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"total": self.total}
+
+
+def sample_times(program: Sequence[Instr], slots: Sequence) -> list[float]:
+    """Simulated time of each instruction's end: a compute op's slot end, any other op the
+    end of the compute op before it (0 before the first)."""
+    out, t, it = [], 0.0, iter(slots)
+    for instr in program:
+        if instr.op in COMPUTE_OPS:
+            t = next(it).end
+        out.append(t)
+    return out
+
+
+class _Ledger:
+    """Per term, a difference array over a rank's samples: bytes live at samples [k0, k1)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.diff = {
+            name: [0.0] * (n + 1) for name in ("grads", "stash", "buffers", "held", "host")
+        }
+
+    def hold(self, term: str, k0: int, k1: int, nbytes: float) -> None:
+        if k1 > k0 and nbytes:
+            self.diff[term][k0] += nbytes
+            self.diff[term][k1] -= nbytes
+
+    def series(self, term: str) -> list[float]:
+        out, run = [], 0.0
+        for d in self.diff[term][: self.n]:
+            run += d
+            out.append(run)
+        return out
+
+
+def predict_peaks(
+    layout: Layout,
+    programs: Sequence[Sequence[Instr]],
+    costs: CostModel,
+    sim: SimResult,
+    facts: ByteFacts,
+    post_ahead: int | None,
+) -> tuple[RankBytes, ...]:
+    """Every rank's peak real bytes (see the module doc) for programs simulated as `sim`
+    under `costs`, whose `stash_bytes` (and `input_bytes` with recompute) price the stashes;
+    `post_ahead` is the runtime's receive policy (`post_points`)."""
+    recompute = uses_recompute(programs)
+    chunk_of = layout.stage_chunk
+    moved = costs.input_bytes if recompute else costs.stash_bytes  # what one stash move carries
+    per_stash = [b / costs.mem_F for b in costs.stash_bytes]
+    by_chunk = measured_inputs(costs) if recompute else None
+    times = [sample_times(prog, sim.timeline[r]) for r, prog in enumerate(programs)]
+    index = [{(i.op, i.stage, i.mb): k for k, i in enumerate(prog)} for prog in programs]
+    posts = [post_points(prog, post_ahead) for prog in programs]
+    posted_at: dict[tuple[int, Op, int, int], float] = {}
+    for q, prog in enumerate(programs):
+        for k, js in posts[q].items():
+            for j in js:
+                i = prog[j]
+                posted_at[(q, i.op, i.stage, i.mb)] = times[q][k - 1] if k else 0.0
+    moves = {(t.kind, t.stage, t.mb): t.end for t in sim.transfers}
+    size = costs.mem_input * layout.stash_share  # a message, in the simulator's stash units
+
+    def backward_of(r: int, stage: int, mb: int) -> int:
+        return next(index[r][(op, stage, mb)] for op in _BACKWARDS if (op, stage, mb) in index[r])
+
+    def released(r: int, k: int, done: float) -> int:
+        """The first sample of rank r after instruction k that ends at or after `done`; the
+        optimizer step's drain (the last instruction) at the latest."""
+        return min(bisect_left(times[r], done, lo=k + 1), len(times[r]) - 1)
+
+    def sent(r: int, k_made: int, k_send: int, recv: tuple[int, Op, int, int], nbytes: float):
+        done = max(times[r][k_send], posted_at.get(recv, 0.0))
+        done += costs.transfer_time(r, recv[0], size)
+        book.hold("buffers", k_made, released(r, k_send, done), nbytes)
+
+    peaks = []
+    for r, prog in enumerate(programs):
+        n, idx = len(prog), index[r]
+        book = _Ledger(n)
+        recv_post = {j: k for k, js in posts[r].items() for j in js}
+        step = idx.get((Op.OPTIMIZER_STEP, None, None), n)
+        first_backward: dict[int, int] = {}
+        for k, i in enumerate(prog):
+            op, s, mb = i.op, i.stage, i.mb
+            c = chunk_of[s] if s is not None else None
+            if op in (Op.B, Op.BW, Op.W):
+                first_backward.setdefault(s, k)
+            if op is Op.F or op is Op.RECOMPUTE:
+                nxt = layout.next_stage(s)
+                kept = (Op.RECOMPUTE, s, mb) not in idx or op is Op.RECOMPUTE
+                if nxt is not None and kept and (op is Op.RECOMPUTE or layout.stage_rank[nxt] != r):
+                    book.hold("stash", k, backward_of(r, s, mb), facts.message[c])
+                if facts.host and kept:
+                    book.hold("host", k, backward_of(r, s, mb), facts.host[c])
+                if op is Op.F and nxt is not None and layout.stage_rank[nxt] == r:
+                    book.hold("buffers", k, idx[(Op.F, nxt, mb)], facts.message[c])
+            elif op in RECV_OPS:
+                if op is Op.RECV_ACT:
+                    nbytes, consumer = (
+                        facts.message[chunk_of[layout.prev_stage(s)]],
+                        idx[(Op.F, s, mb)],
+                    )
+                else:
+                    nbytes, consumer = facts.message[c], backward_of(r, s, mb)
+                book.hold("buffers", recv_post[k], consumer, nbytes)
+                book.hold("host", recv_post[k], consumer, facts.recv_host)
+            elif op is Op.SEND_GRAD:
+                prev = layout.prev_stage(s)
+                sent(
+                    r,
+                    backward_of(r, s, mb),
+                    k,
+                    (i.peer, Op.RECV_GRAD, prev, mb),
+                    facts.message[chunk_of[prev]],
+                )
+            elif op is Op.SEND_ACT and (Op.RECOMPUTE, s, mb) in idx:
+                nxt = layout.next_stage(s)
+                sent(r, idx[(Op.F, s, mb)], k, (i.peer, Op.RECV_ACT, nxt, mb), facts.message[c])
+            elif op in _BACKWARDS:
+                if op is Op.B and facts.w_held:  # what W holds, not the simulator's share
+                    between = -costs.mem_W / costs.mem_F * costs.stash_bytes[c]
+                    book.hold("stash", k, idx[(Op.W, s, mb)], facts.w_held[c] - between)
+                prev = layout.prev_stage(s)
+                if prev is not None and layout.stage_rank[prev] == r:
+                    book.hold("buffers", k, backward_of(r, prev, mb), facts.message[chunk_of[prev]])
+            elif op is Op.EVICT or op is Op.RETURN:
+                end = moves[("evict" if op is Op.EVICT else "load", s, mb)]
+                settled = next((j for j in range(k + 1, n) if prog[j].op in ALLOCATES), n - 1)
+                book.hold("buffers", k, min(released(r, k, end), settled), moved[c])
+            elif op is Op.ACCEPT:
+                book.hold("held", k, idx[(Op.RETURN, s, mb)], moved[c])
+        for s, k in first_backward.items():
+            book.hold("grads", k, step, facts.param_bytes[chunk_of[s]])
+        profile = activation_profile(prog, layout, costs, recompute, per_stash, by_chunk)
+        series = {t: book.series(t) for t in book.diff}
+        series["stash"] = [a + b - h for a, b, h in zip(series["stash"], profile, series["held"])]
+        totals = [sum(series[t][k] for t in series) for k in range(n)]
+        at = max(range(n), key=totals.__getitem__) if n else 0
+        held = held_chunks(layout, r)
+        params = sum(facts.param_bytes[ch] for ch in held)
+        optimizer = sum(optimizer_bytes(facts.params[ch], facts.param_bytes[ch]) for ch in held)
+        terms = {t: round(series[t][at]) if n else 0 for t in series}
+        peaks.append(RankBytes(params, optimizer, after=at, **terms))
+    return tuple(peaks)

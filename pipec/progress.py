@@ -1,0 +1,76 @@
+"""A line on the terminal every few seconds while a long compile runs: how long so far, and what
+it is doing.
+
+Driven by SIGALRM, not a thread: a running thread would stop `pipec/beside.py` from forking
+(a lock the thread holds would stay held in the child), and the compile's two-core speed-up
+with it. The handler names the step from the stack it interrupts (the outermost pass module
+on it), so no pass needs to report anything, and a compile shorter than FIRST_S prints nothing.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+FIRST_S = 3.0  # silent below this
+EVERY_S = 5.0
+
+#: Module prefix -> the step it does; the outermost one on the stack names what runs.
+STEPS = (
+    ("passes.registry", "building the schedule"),
+    ("passes.schedules", "building the schedule"),
+    ("passes.placement", "placing stages and evictions"),
+    ("passes.lower", "lowering to sends and receives"),
+    ("passes.simulate", "simulating"),
+    ("passes.verify", "verifying"),
+    ("passes.execution", "verifying"),
+    ("pipec.beside", "verifying"),  # the compile waits for the verifier on the other core
+    ("pipec.frontend", "tracing and measuring the model"),
+    ("pipec.build_dir", "writing the files"),
+)
+
+
+@contextmanager
+def progress(what: str) -> Iterator[None]:
+    """Report on `what` (e.g. 'compiling 1f1b p=64 m=1024 v=1 (65536 stage ops...)') every
+    EVERY_S seconds once FIRST_S have passed, to a terminal: nothing when stderr is a file or
+    a pipe (scripts and tests read it for errors), or outside the main thread."""
+    if (
+        not sys.stderr.isatty()
+        or threading.current_thread() is not threading.main_thread()
+        or not hasattr(signal, "setitimer")
+    ):
+        yield
+        return
+    start = time.monotonic()
+
+    def report(signum: int, frame: FrameType | None) -> None:
+        step = step_of(frame)
+        print(
+            f"pipec: {what}: {time.monotonic() - start:.0f} s so far{', ' + step if step else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    old = signal.signal(signal.SIGALRM, report)
+    signal.setitimer(signal.ITIMER_REAL, FIRST_S, EVERY_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def step_of(frame: FrameType | None) -> str:
+    """What the interrupted stack is doing: the step of its outermost known module."""
+    step = ""
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        step = next((s for prefix, s in STEPS if module.startswith(prefix)), step)
+        frame = frame.f_back
+    return step

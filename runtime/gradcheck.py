@@ -1,0 +1,82 @@
+"""`launch.py --check-grads`: one pipelined step's gradients against the plain model's.
+
+Every rank runs the step with `GradCapture` in place of the optimizer (it keeps the gradients
+the step would apply: after the replica, data-parallel and tied-parameter sums), computes the
+reference itself, `loss.backward()` of the unsplit model over the same micro-batches with the
+same 1/n weights, and compares each of its stages' parameters with `torch.testing.assert_close`
+(the dtype's default tolerances). The reference holds the whole model on each rank's device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from runtime.data import MicroBatch
+
+
+class GradCapture:
+    """Stands in for the optimizer: keeps a copy of every gradient instead of stepping."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.grads: dict[int, Tensor] = {}
+
+    def step(self) -> None:
+        self.grads = {id(p): p.grad.detach().clone() for p in self.params if p.grad is not None}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def reference_grads(
+    model: nn.Module, loss_fn, batches: list[MicroBatch], device: torch.device
+) -> dict[str, Tensor]:  # type: ignore[no-untyped-def]
+    """Gradients of `model` (moved to `device`) for the mean loss over `batches`, by name."""
+    model.to(device)
+    for inputs, target in batches:
+        loss = loss_fn(model(*(x.to(device) for x in inputs)), target.to(device))
+        (loss / len(batches)).backward()
+    return {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+@dataclass(frozen=True)
+class StageCheck:
+    """One stage's comparison: the largest absolute difference and the first mismatch."""
+
+    stage: int
+    rank: int
+    names: tuple[str, ...]
+    max_abs_diff: float
+    error: str | None
+
+    def line(self) -> str:
+        verdict = "ok" if self.error is None else f"MISMATCH {self.error}"
+        return (
+            f"stage {self.stage:>2} (rank {self.rank}): {len(self.names)} tensors, "
+            f"max |diff| {self.max_abs_diff:.3g}  {verdict}"
+        )
+
+
+def compare(
+    modules: dict[int, nn.Module], rank: int, grads: dict[int, Tensor], ref: dict[str, Tensor]
+) -> list[StageCheck]:
+    """Each stage's captured gradients (`grads`, by parameter id) against `ref` (by name)."""
+    checks = []
+    for stage, module in sorted(modules.items()):
+        worst, error, names = 0.0, None, []
+        for name, p in module.named_parameters(remove_duplicate=False):
+            got = grads.get(id(p), torch.zeros_like(p))
+            want = ref[name] if ref[name] is not None else torch.zeros_like(p)
+            worst = max(worst, (got - want.to(got.device)).abs().max().item())
+            names.append(name)
+            try:
+                torch.testing.assert_close(got, want.to(got.device))
+            except AssertionError as e:  # keep its counts: mismatched elements, worst difference
+                said = [line for line in str(e).splitlines() if line.startswith(("Mis", "Great"))]
+                error = error or f"{name}: {'; '.join(said[:2])}"
+        checks.append(StageCheck(stage, rank, tuple(names), worst, error))
+    return checks

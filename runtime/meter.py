@@ -1,0 +1,171 @@
+"""The memory meter: the real bytes a rank holds, read after every instruction.
+
+CUDA: the caching allocator's count, `torch.cuda.memory_allocated`: every live tensor on the
+device, rounded up to the allocator's 512-byte blocks. The step's peak also takes
+`max_memory_allocated`, reset at each step's start, which adds the peaks inside instructions
+(an op's working memory, EVICT's buffer beside the stash it copies).
+
+CPU: the bytes glibc's malloc has handed out and not taken back, from `mallinfo2()`:
+`uordblks` (chunks in use, in every thread's arena) plus `hblkhd` (blocks over the mmap
+threshold, which malloc maps one by one: tensors from 128 KiB up). The reading is relative to
+the step's start, where the rank holds only its parameters and the optimizer's state: it is
+those bytes, exact from their storages, plus everything malloc handed out since the step
+began and still holds. That covers every tensor storage (gradients, stashes, message and stash
+buffers, the weight-gradient work B leaves for W) and what the process keeps beside them:
+autograd's records of every live stash's graph (nodes, tensor headers, saved-variable entries;
+30-50 KiB per stash of a two-layer GPT stage, see `graph_host_bytes`), the interpreter's own
+records, gloo's small allocations. It sees nothing inside an instruction (its working memory).
+Noise: glibc's per-thread caches keep up to 7 freed chunks under 1 KiB of each size and count
+them in use (a few KiB to tens of KiB); Python objects under 512 bytes live in pymalloc's own
+mapped arenas and are not counted; the first step also pays one-time allocations (kernels'
+caches, threads), which later steps do not repeat.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from runtime.stash import tensors_nbytes
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _mallinfo2():  # type: ignore[no-untyped-def]
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    fn = getattr(libc, "mallinfo2", None)
+    if fn is None:
+        return None
+    fn.restype = _Mallinfo2
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def heap_bytes() -> int:
+    """Bytes malloc has handed out and not taken back (chunks in use plus mapped blocks)."""
+    if _MALLINFO2 is None:
+        raise RuntimeError("the CPU memory meter needs glibc 2.33+ (mallinfo2)")
+    info = _MALLINFO2()
+    return info.uordblks + info.hblkhd
+
+
+class Meter:
+    """Real bytes held by this rank: `start_step`, then `read()` after each instruction."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.base = 0
+
+    def start_step(self, model_state: int) -> None:
+        """A step begins, holding `model_state` bytes of parameters and optimizer state."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.base = heap_bytes() - model_state
+
+    def read(self) -> int:
+        if self.cuda:
+            return torch.cuda.memory_allocated(self.device)
+        return heap_bytes() - self.base
+
+    def step_peak(self, samples: Iterable[int]) -> int:
+        """The step's peak: the samples' maximum, and on CUDA the allocator's (in-op) peak."""
+        peak = max(samples, default=0)
+        if self.cuda:
+            peak = max(peak, torch.cuda.max_memory_allocated(self.device))
+        return peak
+
+
+def model_state_bytes(params: list[nn.Parameter], optimizer: object) -> int:
+    """Parameters, their gradients and the optimizer's state tensors now alive, each storage
+    once: the part of a reading that is not activations or messages."""
+    tensors = list(params) + [p.grad for p in params if p.grad is not None]
+    states = getattr(optimizer, "state", {})  # a stand-in optimizer (tests) may have none
+    tensors += [t for state in states.values() for t in state.values() if torch.is_tensor(t)]
+    return tensors_nbytes(tensors)
+
+
+@dataclass(frozen=True)
+class StashExtras:
+    """Per chunk, what one micro-batch holds beyond the frontend's stash bytes, measured on
+    this machine: `host`, the bytes the CPU meter sees a stash hold beyond its tensors
+    (autograd's records of the forward's graph); `w_held`, with the B/W split, the tensors B
+    leaves for W (the Linear inputs and output gradients; empty without the split)."""
+
+    host: tuple[int, ...]
+    w_held: tuple[int, ...]
+
+
+def stash_extras(plan: dict, split: bool, spec: str | None = None, held: int = 8) -> StashExtras:
+    """Run each chunk's forward as the runtime runs it (its floating inputs as leaves, the loss
+    on the last chunk, the B/W split's Linear when `split`): `held` forwards first, kept alive,
+    then `held` more, whose heap growth per forward, less the chunk's stash bytes and the output
+    kept, is `host` (the first batch takes what glibc's thread cache held, freed chunks it
+    counts as in use, which would otherwise hide part of the growth); then B of one of them,
+    and what its W still needs is `w_held`."""
+    from pipec.frontend import build_stages, load_factory
+    from runtime import bwsplit
+
+    model = plan["model"]
+    n = len(model["stages"])
+    modules = build_stages(spec, model, list(range(n)))
+    ms = load_factory(spec or model["spec"], model["seed"])
+    stash = plan["costs"]["stash_bytes"]
+    inputs: tuple[torch.Tensor, ...] = tuple(ms.example_inputs)
+    host, w_held = [], []
+    for c, module in enumerate(modules):
+        if split:
+            bwsplit.split_backward(module)
+        leaves = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in inputs)
+
+        def forward(
+            c: int = c, module: nn.Module = module, leaves: tuple = leaves
+        ) -> tuple[torch.Tensor, ...]:
+            y = module(*leaves)
+            if c == n - 1:
+                y = ms.loss_fn(y, ms.example_target)
+            return (y,) if torch.is_tensor(y) else tuple(y)
+
+        gc.collect()
+        kept = [forward() for _ in range(held)]
+        before = heap_bytes()
+        kept += [forward() for _ in range(held)]
+        per = (heap_bytes() - before) / held
+        output = tensors_nbytes(list(kept[-1])) if c < n - 1 else 0
+        host.append(max(0, round(per - stash[c] - output)))
+        if split:
+            outputs = kept.pop()
+            grads = None if c == n - 1 else [torch.ones_like(y) for y in outputs]
+            bwsplit.B(module, 0, outputs, grads, leaves)
+            w_held.append(bwsplit.held_bytes(module, 0))
+            bwsplit.W(module, 0)
+        del kept
+        with torch.no_grad():
+            y = module(*inputs)
+        inputs = (y,) if torch.is_tensor(y) else tuple(y)
+    return StashExtras(tuple(host), tuple(w_held))

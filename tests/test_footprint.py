@@ -1,0 +1,112 @@
+"""A compile too large for the machine is refused from its shape, before anything is built; a
+long one reports progress; `pipec plan` refuses an infeasible --pp before profiling."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipec import footprint, progress
+from tests.test_cli import ROOT, cli_run
+
+
+def test_a_shape_that_would_not_fit_is_refused_before_building(monkeypatch, capsys):
+    """p=100 000 grew without bound (24 GB after minutes); now one line, nothing built."""
+    monkeypatch.setattr(footprint, "available_bytes", lambda: 24 * 2**30)
+
+    def never(*args, **kw):
+        raise AssertionError("the compile started")
+
+    monkeypatch.setattr("pipec.cli.compile_schedule", never)
+    assert cli_run("simulate", "-s", "1f1b", "-p", "100000", "-m", "8") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "p=100000 m=8 v=1 would need about 160 GiB to compile" in err
+    assert "more than the 24 GiB free here" in err
+    assert cli_run("compile", "-s", "interleaved", "-p", "20000", "-m", "20000", "-v", "2") == 2
+    assert "v=2 would need about" in capsys.readouterr().err
+
+
+# The peak resident size from /proc (ru_maxrss would carry pytest's over the exec).
+PEAK_RSS = """
+import re, sys
+from pipec.compile import compile_schedule
+compile_schedule(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+status = open("/proc/self/status").read()
+print(int(re.search(r"VmHWM:\\s+(\\d+) kB", status)[1]) * 1024)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule, p, m, v",
+    [("1f1b", 32, 512, 1), ("interleaved", 16, 512, 2), ("1f1b", 3000, 8, 1)],
+)
+def test_the_estimate_is_close_to_the_measured_peak(schedule, p, m, v):
+    """The estimate is within a tenth below and a half above the measured peak, both where
+    ops dominate and where the simulator's p^2 tables do (5-20 % above when measured)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-c", PEAK_RSS, schedule, str(p), str(m), str(v)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    measured = json.loads(out)
+    estimate = footprint.footprint(p, m, v).bytes
+    assert 0.9 <= estimate / measured <= 1.5, (estimate, measured)
+
+
+def test_a_long_compile_reports_progress(monkeypatch, capsys):
+    monkeypatch.setattr(progress, "FIRST_S", 0.01)
+    monkeypatch.setattr(progress, "EVERY_S", 0.02)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # progress goes to terminals
+    assert cli_run("simulate", "-s", "1f1b", "-p", "32", "-m", "512", "--json") == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert lines, "no progress line"
+    for line in lines:
+        assert line.startswith("pipec: compiling 1f1b p=32 m=512 v=1 (16384 stage ops, about ")
+        assert " s so far" in line
+    assert json.loads(captured.out)["makespan"] > 0  # the output is the command's alone
+
+
+def test_no_progress_where_stderr_is_not_a_terminal(monkeypatch, capsys):
+    monkeypatch.setattr(progress, "FIRST_S", 0.01)
+    monkeypatch.setattr(progress, "EVERY_S", 0.02)
+    assert cli_run("simulate", "-s", "1f1b", "-p", "32", "-m", "512", "--json") == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_names_the_outermost_step():
+    def frame_in(module: str, inner):
+        """A function that calls `inner` from a frame of `module`."""
+        code = compile("def call():\n    return inner()\n", module, "exec")
+        namespace = {"__name__": module, "inner": inner}
+        eval(code, namespace)
+        return namespace["call"]
+
+    here = frame_in("passes.simulate", lambda: sys._getframe())
+    assert progress.step_of(here()) == "simulating"
+    writing = frame_in("pipec.build_dir", here)
+    assert progress.step_of(writing()) == "writing the files"
+    assert progress.step_of(sys._getframe()) == ""
+
+
+def test_plan_refuses_more_stages_than_blocks_before_profiling(tmp_path):
+    """One line, nothing else on stderr: no profiling started (its progress bar would show).
+    Run as a command: the frontend's progress bar keeps the stderr of the test that first
+    imports it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    spec = f"{ROOT}/examples/gpt.py:tiny"
+    args = ["plan", spec, "--pp", "16", "-B", "8", "--memory-per-device", "1GiB"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pipec", *args],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "has 8 blocks and --pp 16 needs at least one per stage; use --pp 8 or fewer" in (
+        done.stderr
+    )

@@ -1,0 +1,41 @@
+"""Factories for the training tests: a tiny GPT (tied embedding and head) whose data's targets
+are its inputs (each position names its own token: learnable in a few dozen steps, and only when
+every target meets the inputs of its own micro-batch), and the same model without data
+(synthetic batches: random targets, which it can only memorise)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from examples.gpt import GPT, GPTConfig
+from pipec.frontend import ModelSpec, next_token_loss
+
+CONFIG = GPTConfig(
+    vocab_size=32, seq_len=16, d_model=32, n_heads=2, n_layers=8, tie_embeddings=True
+)
+
+
+def _batch(rows: int, k: int) -> tuple[Tensor, Tensor]:
+    x = torch.randint(CONFIG.vocab_size, (rows, CONFIG.seq_len), generator=torch.manual_seed(k))
+    return x, x.clone()
+
+
+def copying_data(rows: int, start: int) -> Iterator[tuple[tuple[Tensor], Tensor]]:
+    """Batch k: random tokens drawn with seed k, and the same tokens as targets."""
+    for k in itertools.count(start):
+        x, y = _batch(rows, k)
+        yield (x,), y
+
+
+def copying() -> ModelSpec:
+    x, y = _batch(CONFIG.micro_batch, 10**6)
+    return ModelSpec(GPT(CONFIG), (x,), y, next_token_loss, data=copying_data)
+
+
+def synthetic() -> ModelSpec:
+    x, y = _batch(CONFIG.micro_batch, 10**6)
+    return ModelSpec(GPT(CONFIG), (x,), y, next_token_loss)

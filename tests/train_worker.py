@@ -1,0 +1,73 @@
+"""Training runs inside ONE torchrun launch, for tests/test_train.py (a launch costs ~5 s).
+
+    torchrun --standalone --nproc-per-node 4 tests/train_worker.py RUNS.json RESULTS_DIR
+
+RUNS.json lists {"name", "build", "steps", "lr", "save": DIR | null, "every": K,
+"resume": CHECKPOINT | null, "full_loss": CHECKPOINT | null}, run in order (a resumed run
+may name a checkpoint an earlier run wrote). Each run does what launch.py does (restore,
+train with `saver`, the same runtime functions) and writes to RESULTS_DIR/<rank>.json: the loss
+of each step (rank 0), whether this rank read the data, and with "full_loss" the loss of the
+plain model loaded with `pipec.checkpoint.load_full` on the batch the run's first step used.
+"""
+
+from runtime.faults import take_termination_signals
+
+take_termination_signals()  # before torch starts threads, as launch.py does
+
+import dataclasses
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipec import checkpoint
+from pipec.build_dir import load
+from pipec.frontend import load_factory
+from runtime.data import open_source
+from runtime.faults import Watchdog
+from runtime.interpreter import HANDLERS
+from runtime.main import restore, saver, train
+from runtime.rank import Rank
+from tests.runtime_harness import TIMEOUT_S, serve
+
+
+def full_loss(spec: str, seed: int, path: Path, step: int, n: int) -> float:
+    """The plain model loaded from checkpoint `path`: its mean loss on global batch `step`."""
+    ms = load_factory(spec, seed)
+    checkpoint.load_full(path, ms.model)
+    with torch.no_grad():
+        batches = open_source(ms, n, 0, step).next()
+        return sum(ms.loss_fn(ms.model(*x), y).item() for x, y in batches) / n
+
+
+def run(case: dict, watchdog: Watchdog) -> dict:
+    build = load(Path(case["build"]))
+    rt = Rank.prepare(build, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    watchdog.describe = rt.describe
+    read = []
+    if rt.spec.data is not None:  # note whether the runtime asks this rank for data
+
+        def data(rows: int, start: int):  # type: ignore[no-untyped-def]
+            read.append(start)
+            return rt_data(rows, start)
+
+        rt_data = rt.spec.data
+        rt.spec = dataclasses.replace(rt.spec, data=data)
+    rt.connect(lambda ps: torch.optim.AdamW(ps, lr=case["lr"]), TIMEOUT_S)
+    resume = Path(case["resume"]) if case["resume"] else None
+    start = restore(rt, resume, 0)
+    losses: list[float] = []
+    save = saver(rt, Path(case["save"]), case["every"], case["steps"], {}) if case["save"] else None
+    train(
+        rt, case["steps"], HANDLERS, watchdog, lambda s, loss, t: losses.append(loss), start, save
+    )
+    result = {"losses": losses, "start": start, "read": bool(read)}
+    if case.get("full_loss") and dist.get_rank() == 0:
+        model = build.plan["model"]
+        n = rt.layout.m * rt.dp
+        result["full_loss"] = full_loss(model["spec"], model["seed"], case["full_loss"], start, n)
+    return result
+
+
+if __name__ == "__main__":
+    serve(run)
