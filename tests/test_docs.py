@@ -13,11 +13,17 @@ How the docs mark their commands:
   directory).
 - A comment at the end of a command line sets what it should do: `# exit 2 ...` for an example
   of an error (it must fail with that code), `# slow ...` for a command too slow for the suite
-  (not run; its options must still parse). Any other comment is prose.
+  or one that launches torchrun (not run; its options must still parse). Any other comment is
+  prose.
+- `> FILE` at the end of a command writes what it prints on stdout to FILE, as a shell would
+  (a transcript then shows only its stderr).
 - In a block whose commands start with `$ `, the lines after a command, up to the next `$ `
   line, are its output (stdout and stderr together) and must match what it prints now; a line
   `...` stands for any number of lines.
 - A block fenced as `text` is output or a synopsis, never a command.
+
+A file that the docs name in backticks (`bench/x.py`) must exist, unless a comment
+`<!-- planned: bench/x.py ... -->` in that document lists it as one that is being written.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class Command:
     argv: list[str]
     exit_code: int | None  # None: too slow for the suite, not run
     output: list[str] | None  # a transcript's expected lines; None: output not checked
+    stdout_to: str | None = None  # `> FILE`: where its stdout goes
+    unreadable: str | None = None  # why the line is not a command a shell could read
 
 
 def fenced_blocks(text: str) -> list[tuple[str, int, list[str]]]:
@@ -86,9 +94,15 @@ def _command(line: int, text: str) -> Command | None:
         return None
     marker = MARKER.search(text)
     exit_code = 0 if marker is None else None if marker[1] == "slow" else int(marker[2])
-    argv = shlex.split(text, comments=True)
+    try:
+        argv = shlex.split(text, comments=True)
+    except ValueError as e:  # an unclosed quote: prose or output fenced as a command
+        return Command(line, text, [], exit_code, None, unreadable=f"shlex: {e}")
+    stdout_to = None
+    if len(argv) >= 2 and argv[-2] == ">":
+        argv, stdout_to = argv[:-2], argv[-1]
     argv = argv[3:] if argv[0].startswith("python") else argv[1:]
-    return Command(line, text, argv, exit_code, None)
+    return Command(line, text, argv, exit_code, None, stdout_to)
 
 
 def commands(text: str) -> list[Command]:
@@ -148,8 +162,9 @@ class Worker:
             env=env,
         )
 
-    def run(self, cwd: Path, argv: list[str]) -> tuple[int, str]:
-        """`pipec ARGV` run in CWD: its exit code and everything it printed."""
+    def run(self, cwd: Path, argv: list[str]) -> tuple[int, str, str, str]:
+        """`pipec ARGV` run in CWD: its exit code, everything it printed, its stdout and its
+        stderr."""
         assert self.proc.stdin and self.proc.stdout
         self.proc.stdin.write(json.dumps({"cwd": str(cwd), "argv": argv}) + "\n")
         self.proc.stdin.flush()
@@ -157,7 +172,7 @@ class Worker:
         if not reply:
             raise RuntimeError(f"the docs worker died (exit {self.proc.wait()}) running {argv}")
         answer = json.loads(reply)
-        return answer["code"], answer["printed"]
+        return answer["code"], answer["printed"], answer["stdout"], answer["stderr"]
 
     def close(self) -> None:
         assert self.proc.stdin
@@ -166,16 +181,20 @@ class Worker:
 
 
 class _Printed(io.TextIOBase):
-    """The worker's stdout and stderr for the whole process: one object that never changes,
-    writing into the current command's buffer."""
+    """The worker's stdout or stderr for the whole process: an object that never changes,
+    writing into the current command's buffers (both streams together, and its own)."""
 
-    buffer_ = io.StringIO()
+    both = io.StringIO()
+
+    def __init__(self) -> None:
+        self.own = io.StringIO()
 
     def writable(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
-        return self.buffer_.write(text)
+        self.own.write(text)
+        return _Printed.both.write(text)
 
 
 def serve() -> None:
@@ -184,21 +203,22 @@ def serve() -> None:
 
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # stray writes to fd 1 must not corrupt the answers
-    printed = _Printed()
-    sys.stdout = sys.stderr = printed
+    sys.stdout, sys.stderr = out, err = _Printed(), _Printed()
     for line in sys.stdin:
         request = json.loads(line)
         os.chdir(request["cwd"])
-        printed.buffer_ = io.StringIO()
+        _Printed.both, out.own, err.own = io.StringIO(), io.StringIO(), io.StringIO()
         try:
             main(request["argv"])
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
         except Exception:  # noqa: BLE001 - a traceback is a failure to show, not a worker crash
-            printed.write(traceback.format_exc())
+            err.write(traceback.format_exc())
             code = 1
-        answers.write(json.dumps({"code": code, "printed": printed.buffer_.getvalue()}) + "\n")
+        printed = {"printed": _Printed.both.getvalue()}
+        printed |= {"stdout": out.own.getvalue(), "stderr": err.own.getvalue()}
+        answers.write(json.dumps({"code": code, **printed}) + "\n")
         answers.flush()
 
 
@@ -221,13 +241,18 @@ def parses(argv: list[str]) -> str | None:
 
 def _problem(cmd: Command, worker: Worker, cwd: Path) -> str | None:
     """Why a command's run does not match the docs, or None."""
-    if any(a.startswith("/") for a in cmd.argv):
+    if cmd.unreadable:
+        return f"{cmd.unreadable} (output or a synopsis belongs in a block fenced as text)"
+    if any(a.startswith("/") for a in [*cmd.argv, cmd.stdout_to or ""]):
         return "an absolute path: give a path relative to the checkout"
     if not cmd.argv or (cmd.argv[0] not in cli.commands and not cmd.argv[0].startswith("-")):
         return f"'{cmd.argv[:1]}' is not a pipec command"
     if cmd.exit_code is None:
         return parses(cmd.argv)
-    code, printed = worker.run(cwd, cmd.argv)
+    code, printed, stdout, stderr = worker.run(cwd, cmd.argv)
+    if cmd.stdout_to is not None:
+        (cwd / cmd.stdout_to).write_text(stdout)
+        printed = stderr
     if code != cmd.exit_code:
         return f"exit {code}, the docs expect {cmd.exit_code}:\n{printed[-2000:]}"
     if cmd.output is not None and not _matches(cmd.output, printed):
@@ -252,8 +277,9 @@ def test_every_fenced_command_runs_as_the_docs_say(
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 NAMED_FILE = re.compile(
     r"`(?:PYTHONPATH=\S+ )?(?:python3? )?((?:bench|tests|examples|pipec|passes|runtime|codegen)"
-    r"/[\w/.-]+\.(?:py|pipe|j2|json))"
+    r"/[\w/.-]+\.(?:py|pipe|j2|jsonl|json))(?![\w.])"
 )
+PLANNED = re.compile(r"<!--\s*planned:([^>]*)-->")
 
 
 def _prose(text: str) -> str:
@@ -284,21 +310,24 @@ def test_every_relative_link_and_named_file_exists() -> None:
                 missing.append(f"{doc.relative_to(ROOT)}: link to {target}: no such file")
             elif anchor and path.suffix == ".md" and anchor not in slugs(path):
                 missing.append(f"{doc.relative_to(ROOT)}: link to {target}: no such heading")
-        for name in NAMED_FILE.findall(doc.read_text()):
-            if not (ROOT / name).exists():
+        text = doc.read_text()
+        planned = {name for names in PLANNED.findall(text) for name in names.split()}
+        for name in NAMED_FILE.findall(text):
+            if name not in planned and not (ROOT / name).exists():
                 missing.append(f"{doc.relative_to(ROOT)}: names {name}: no such file")
     if missing:
         pytest.fail("\n".join(sorted(set(missing))), pytrace=False)
 
 
 def test_the_docs_test_reads_what_it_should(worker: Worker, tmp_path: Path) -> None:
-    """The parser itself: markers, continuations, transcripts and text blocks."""
+    """The parser itself: markers, continuations, redirections, transcripts and text blocks."""
     doc = (
         "```\npipec simulate -s 1f1b \\\n  -p 4 -m 8   # a comment\n"
         "pipec simulate -s nope -p 4 -m 8   # exit 2: unknown\n"
         "python -m pipec plan x --pp 2   # slow: minutes\ntorchrun launch.py\n```\n"
         "```text\npipec plan examples/gpt.py:tiny: p=4\n```\n"
         "```console\n$ pipec schedules\n1f1b  v 1\n...\n$ pipec --help\n```\n"
+        "```\npipec simulate -s 1f1b -p 2 -m 2 --json > sim.json\npipec runtime: the model's\n```\n"
     )
     cmds = commands(doc)
     assert [(c.argv[:2], c.exit_code) for c in cmds] == [
@@ -307,6 +336,8 @@ def test_the_docs_test_reads_what_it_should(worker: Worker, tmp_path: Path) -> N
         (["plan", "x"], None),
         (["schedules"], 0),
         (["--help"], 0),
+        (["simulate", "-s"], 0),
+        ([], 0),
     ]
     assert cmds[0].argv == ["simulate", "-s", "1f1b", "-p", "4", "-m", "8"]
     assert cmds[3].output == ["1f1b  v 1", "..."]
@@ -315,6 +346,12 @@ def test_the_docs_test_reads_what_it_should(worker: Worker, tmp_path: Path) -> N
     assert _problem(cmds[3], worker, tmp_path) is not None  # prints more than the transcript
     assert parses(["plan", "x", "--pp", "2"]) is not None  # --global-batch is required
     assert parses(["simulate", "-s", "1f1b", "--nope"]) is not None
+    assert cmds[5].stdout_to == "sim.json" and _problem(cmds[5], worker, tmp_path) is None
+    assert json.loads((tmp_path / "sim.json").read_text())["makespan"] == 9
+    assert "No closing quotation" in (_problem(cmds[6], worker, tmp_path) or "")
+    named = "`bench/data/x.jsonl`, `bench/y.py`; <!-- planned: bench/y.py -->"
+    assert NAMED_FILE.findall(named) == ["bench/data/x.jsonl", "bench/y.py"]
+    assert PLANNED.findall(named) == [" bench/y.py "]
 
 
 if __name__ == "__main__":
