@@ -19,7 +19,9 @@ How the docs mark their commands:
   (a transcript then shows only its stderr).
 - In a block whose commands start with `$ `, the lines after a command, up to the next `$ `
   line, are its output (stdout and stderr together) and must match what it prints now; a line
-  `...` stands for any number of lines.
+  `...` stands for any number of lines, and a plan hash (`plan` and 16 hex digits) for any
+  hash: a model build's plan records the factory file's absolute path, which differs between
+  checkouts.
 - A block fenced as `text` is output or a synopsis, never a command.
 
 A file that the docs name in backticks (`bench/x.py`) must exist, unless a comment
@@ -131,15 +133,23 @@ def commands(text: str) -> list[Command]:
 
 
 def _matches(expected: list[str], actual: str) -> bool:
-    """Whether the printed text is the transcript's, `...` standing for any lines."""
+    """Whether the printed text is the transcript's, `...` standing for any lines and a plan
+    hash for any plan hash."""
     while expected and not expected[-1].strip():
         expected = expected[:-1]
     pattern = "".join(
-        r"(?:[^\n]*\n)*?" if e.strip() in ELLIPSIS else re.escape(e.rstrip()) + r"\n"
-        for e in expected
+        r"(?:[^\n]*\n)*?" if e.strip() in ELLIPSIS else _line_pattern(e) + r"\n" for e in expected
     )
     text = "".join(line.rstrip() + "\n" for line in actual.splitlines())
     return re.fullmatch(pattern, text) is not None
+
+
+def _line_pattern(line: str) -> str:
+    """A transcript line as a regular expression: itself, but any plan hash."""
+    return PLAN_HASH.sub(lambda m: r"plan\ [0-9a-f]{16}", re.escape(line.rstrip()))
+
+
+PLAN_HASH = re.compile(r"plan\\ [0-9a-f]{16}")
 
 
 class Worker:
@@ -342,6 +352,8 @@ def test_the_docs_test_reads_what_it_should(worker: Worker, tmp_path: Path) -> N
     assert cmds[0].argv == ["simulate", "-s", "1f1b", "-p", "4", "-m", "8"]
     assert cmds[3].output == ["1f1b  v 1", "..."]
     assert _matches(["a", "...", "d"], "a\nb\nc\nd\n") and not _matches(["a", "d"], "a\nb\nd\n")
+    assert _matches(["wrote b/: plan 52cf14be6c0dcee0;"], "wrote b/: plan 801e910c08c86fc3;\n")
+    assert not _matches(["wrote b/: plan 52cf14be6c0dcee0;"], "wrote c/: plan 801e910c08c86fc3;\n")
     assert _problem(cmds[1], worker, tmp_path) is None  # exits 2, as marked
     assert _problem(cmds[3], worker, tmp_path) is not None  # prints more than the transcript
     assert parses(["plan", "x", "--pp", "2"]) is not None  # --global-batch is required
