@@ -5,17 +5,17 @@ runs, and the lines that carry its figures are collected into a summary at the e
 
   kernel-tests   tests/test_attention.py on CUDA: the compiled kernel against SDPA, bf16 too
   kernel-speed   bench/attention.py: forward and backward vs SDPA flash, bf16, seq 1k/4k/8k
-  runtime-cuda   every other test marked `gpu` (pytest -m gpu): the runtime on CUDA, the clock
+  runtime-cuda   every other test marked `gpu` (pytest -m gpu): the runtime with p ranks sharing
+                 the GPU (gradients vs a single-process reference), the clock, --device
   pipeline-cuda  bench/gpu_pipeline.py: the tiny pipeline with p ranks sharing the GPU,
                  measured / simulated iteration time
   cuda-memory    bench/cuda_memory.py: real CUDA peak bytes per rank vs predicted
   runtime-4      bench/runtime.py on CPU (CUDA hidden): measured / simulated at 2 and 4 ranks
   plan-4         bench/plan_check.py --pp 4 on CPU: predicted vs measured order of plan's top 3
 
-A step whose script does not exist in this checkout, or whose pytest selection is empty, is
-skipped with a message saying so: the runtime's shared-GPU mode and the CUDA memory meter add
-their scripts and `gpu`-marked tests under these names. Without CUDA every step is skipped and
-the exit code is 0; with CUDA it is 1 when a step failed.
+A step whose script does not exist in the checkout, or whose pytest selection is empty, is
+skipped with a message saying so (a checkout that predates it). Without CUDA every step is
+skipped and the exit code is 0; with CUDA it is 1 when a step failed.
 
     PYTHONPATH=$PWD python bench/gpu_check.py [--only kernel-speed,plan-4] [--list]
 
@@ -79,7 +79,7 @@ def steps(out: Path) -> list[Step]:
         ),
         Step(
             "runtime-cuda",
-            "tests marked gpu outside the kernel's (runtime on CUDA, clock, --device)",
+            "tests marked gpu outside the kernel's (runtime sharing the GPU, clock, --device)",
             (*pytest, "-m", "gpu", "tests", "--ignore=tests/test_attention.py"),
             passed,
             QUICK_TUNE,
@@ -88,14 +88,14 @@ def steps(out: Path) -> list[Step]:
             "pipeline-cuda",
             "tiny pipeline, p ranks sharing the GPU: measured / simulated",
             (py, "bench/gpu_pipeline.py"),
-            r"simulated|measured",
+            r" measured .* simulated ",
             script="bench/gpu_pipeline.py",
         ),
         Step(
             "cuda-memory",
             "real CUDA peak bytes per rank vs predicted",
             (py, "bench/cuda_memory.py"),
-            r"peak|predicted",
+            r"rank \d+: real peak|^real/predicted",
             script="bench/cuda_memory.py",
         ),
         Step(

@@ -38,10 +38,11 @@ from pipec.ir import PipecError
 
 DATA = Path(__file__).resolve().parent / "data" / "peer-makespans.jsonl"
 COSTS = {
-    "unit": CostModel(F=(1.0,), B=(1.0,), W=(1.0,), comm=0.0),
-    "1.5B": CostModel(F=(18.522,), B=(18.086,), W=(9.337,), comm=0.601),
+    "unit": CostModel(F=(1.0,), B=(1.0,), W=(1.0,), comm=0.0, per="chunk"),
+    "1.5B": CostModel(F=(18.522,), B=(18.086,), W=(9.337,), comm=0.601, per="chunk"),
 }
-"""Per op of one chunk; 1.5B is the zero-bubble paper's profile (Table 9)."""
+"""Per op of one chunk (`per="chunk"`: a V or interleaved chunk's op takes the cost as given,
+as the reference rows count it); 1.5B is the zero-bubble paper's profile (Table 9)."""
 PP = (4, 6, 7, 8, 16)
 REL = 1e-9
 

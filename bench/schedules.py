@@ -1,11 +1,12 @@
 """Schedule figures beside the papers' formulas: bubble, peak memory and compile time.
 
-For p in {4, 8, 16, 32} and m in {2p, 4p, 8p}, unit costs per stage op (F = B = W = 1; a
-fused BW takes 2), each schedule is compiled (build, lower, simulate, verify) and printed with:
-span_bubble (1 - max busy / max span, the zero-bubble papers' metric, which the formulas
-give), bubble (1 - sum busy / (p · makespan), wall time), peak activations (stashes of one
-rank's share of the model) and the wall-clock compile time. The machine is shared: the load
-average is printed before and after. A formula column shows "-" where no paper gives one.
+For p in {4, 8, 16, 32} and m in {2p, 4p, 8p}, unit costs per chunk op (F = B = W = 1 for
+one pass of one chunk, the papers' unit; a fused BW takes 2), each schedule is compiled
+(build, lower, simulate, verify) and printed with: span_bubble (1 - max busy / max span, the
+zero-bubble papers' metric, which the formulas give), bubble (1 - sum busy / (p · makespan),
+wall time), peak activations (stashes of one rank's share of the model) and the wall-clock
+compile time. The machine is shared: the load average is printed before and after. A formula
+column shows "-" where no paper gives one.
 
 To add a family, append its name to SCHEDULES and, if a paper gives its figures, a Formula to
 FORMULAS; nothing else changes. Chimera's formula holds with a backward as long as a forward
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from passes.costs import CostModel
 from passes.registry import family
 from pipec.compile import compile_schedule
 from pipec.ir import PipecError
@@ -45,6 +47,9 @@ SCHEDULES = [
 ]
 PP = (4, 8, 16, 32)
 M_PER_P = (2, 4, 8)
+CHUNK_UNITS = CostModel(per="chunk")
+"""F = B = W = 1 per chunk op: the unit the formulas below count in (ratios and peaks do not
+depend on it, but absolute times would)."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,7 @@ def row(name: str, p: int, m: int) -> str:
     v = family(name).default_v
     start = time.perf_counter()
     try:
-        result = compile_schedule(name, p, m, v)
+        result = compile_schedule(name, p, m, v, CHUNK_UNITS)
     except PipecError as e:
         return f"{name:<12}{p:>4}{m:>5}  refused: {e}"
     ms = (time.perf_counter() - start) * 1000

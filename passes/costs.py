@@ -1,16 +1,29 @@
 """The cost model: how long each op takes and how much activation memory it holds.
 
-Durations are per stage op in the user's unit (the zero-bubble papers' tables are in ms);
-`comm` is the latency of one cross-rank transfer, unless a `topology` prices each transfer by
-the link it crosses (latency + size / bandwidth; a pipeline message carries a stage input,
-`mem_input`, and an evicted stash what F left). A per-chunk list (`F=1:2:1:1`) gives each
-model chunk its own cost. Memory is in units of one micro-batch's stash of one rank's full
-share of the model: F adds `mem_F`, W adds `mem_W` (a release, so negative) and B the rest, so
-that a micro-batch nets zero; with recompute, F keeps only `mem_input` and RECOMPUTE adds back
-what is missing before the backward. With a model, `stash_bytes` gives one micro-batch's stash
-of each chunk in bytes (measured by the frontend), so memory is also reported in bytes.
-`allreduce` is the time of one chunk's gradient all-reduce between the two ranks that hold
-its replicas.
+Durations are in the user's unit (the zero-bubble papers' tables are in ms). By default
+(`per="share"`) F, B, W and `allreduce` describe one rank's share of one model copy, a stage of
+the model's p-way split: an op of a chunk takes that chunk's part of it, `Layout.stash_share`
+(1/v with v chunks per rank; Chimera's and DualPipe's stages are whole shares of two replicas),
+the rule that already weighs a chunk's stash. One micro-batch then keeps a rank equally busy
+whatever v, so schedules of different v compare at the same costs. A list (`F=1:2:1:1`, one
+value per model chunk) weighs the chunks apart in the same unit: equal values read as the
+single value. With `per="chunk"` each value is one chunk op's own duration, as given: what a
+model's measured stages are, and what papers that count chunk passes use. `of_chunks` turns
+the first form into the second; a plan holds costs per chunk op.
+
+`comm` is the latency of one cross-rank transfer, never divided: a smaller chunk does not
+make a message start sooner. A `topology` instead prices each transfer by the link it crosses
+(latency + size / bandwidth; a pipeline message carries a stage input, `mem_input`, and an
+evicted stash what F left). `allreduce` is the time of the gradient all-reduce between the two
+ranks that hold a chunk's replicas; with `per="share"` it is given for one rank's share, and a
+chunk's all-reduce takes the chunk's part (its gradients are that part of the parameters).
+
+Memory is in units of one micro-batch's stash of one rank's full share of the model; a chunk's
+op moves its part of these (`Layout.stash_share`): F adds `mem_F`, W adds `mem_W` (a release,
+so negative) and B the rest, so that a micro-batch nets zero; with recompute, F keeps only
+`mem_input` and RECOMPUTE adds back what is missing before the backward. With a model,
+`stash_bytes` gives one micro-batch's stash of each chunk in bytes (measured by the frontend),
+so memory is also reported in bytes.
 """
 
 from __future__ import annotations
@@ -22,13 +35,14 @@ from dataclasses import dataclass, replace
 from passes.topology import Topology
 from pipec.ir import Instr, Layout, Op, PipecError
 
-_ITEM = re.compile(r"^(F|B|W|comm|allreduce)=([-+0-9.eE:]+)$")
+_ITEM = re.compile(r"^(F|B|W|comm|allreduce|per)=([-+0-9.eE:]+|share|chunk)$")
 _MEM_ITEM = re.compile(r"^(F|W|in)=([-+0-9.eE]+)$")
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-op durations (per model chunk) and per-op activation memory deltas."""
+    """Per-op durations (of a rank's share, or per chunk op: `per`) and per-op activation
+    memory deltas."""
 
     F: tuple[float, ...] = (1.0,)
     B: tuple[float, ...] = (1.0,)
@@ -44,8 +58,21 @@ class CostModel:
     input_bytes: tuple[float, ...] = ()
     """Bytes of one micro-batch's stage inputs per model chunk (what a recomputed stage keeps
     from F to RECOMPUTE); empty without a model, where `mem_input` stands for it."""
+    per: str = "share"
+    """What F, B, W and `allreduce` describe: "share", one rank's share of the model (a chunk
+    takes its part), or "chunk", one chunk's op. Durations are read per chunk op only."""
+
+    def of_chunks(self, share: float) -> CostModel:
+        """These costs per chunk op, for chunks that are `share` of a rank's share
+        (`Layout.stash_share`); costs already per chunk op are returned as they are."""
+        if self.per == "chunk":
+            return self
+        parts = {kind: tuple(x * share for x in getattr(self, kind)) for kind in "FBW"}
+        return replace(self, **parts, allreduce=self.allreduce * share, per="chunk")
 
     def per_chunk(self, kind: str, chunk: int) -> float:
+        """How long one op of `kind` of `chunk` runs (of costs per chunk op: `of_chunks`)."""
+        assert self.per == "chunk", "costs of a rank's share: take them of_chunks(share) first"
         values = getattr(self, kind)
         return values[chunk] if len(values) > 1 else values[0]
 
@@ -122,6 +149,8 @@ class CostModel:
             out["allreduce"] = self.allreduce
         if self.input_bytes:
             out["input_bytes"] = list(self.input_bytes)
+        if self.per != "chunk":  # plans hold costs per chunk op (`of_chunks`): no key there
+            out["per"] = self.per
         return out
 
     @staticmethod
@@ -139,6 +168,7 @@ class CostModel:
             topology,
             d.get("allreduce", 0.0),
             tuple(d.get("input_bytes", ())),
+            per=d.get("per", "chunk"),
         )
 
 
@@ -170,16 +200,24 @@ def _items(text: str, what: str, pattern: re.Pattern, expected: str) -> list[tup
 
 
 def parse_costs(text: str, base: CostModel | None = None) -> CostModel:
-    """Parse `--costs F=1,B=1,W=1,comm=0` (any subset; `F=1:2:1:1` per chunk)."""
+    """Parse `--costs F=1,B=1,W=1,comm=0` (any subset; `F=1:2:1:1` weighs each chunk;
+    `per=chunk`: the values are per chunk op, `per=share` (the default) of a rank's share)."""
     fields: dict = {}
-    expected = "KEY=VALUE with KEY in F, B, W, comm, allreduce, e.g. --costs F=1,B=2,W=1,comm=0.1"
+    expected = (
+        "KEY=VALUE with KEY in F, B, W, comm, allreduce, per (share or chunk), "
+        "e.g. --costs F=1,B=2,W=1,comm=0.1"
+    )
     for key, value in _items(text, "--costs", _ITEM, expected):
-        if key in ("comm", "allreduce"):
+        if key == "per":
+            if value not in ("share", "chunk"):
+                raise PipecError(f"--costs per={value}: give per=share or per=chunk")
+            fields[key] = value
+        elif key in ("comm", "allreduce"):
             fields[key] = _number(value, f"--costs {key}")
         else:
             fields[key] = tuple(_number(v, f"--costs {key}") for v in value.split(":"))
     for key, value in fields.items():
-        if min(value if isinstance(value, tuple) else (value,)) < 0:
+        if key != "per" and min(value if isinstance(value, tuple) else (value,)) < 0:
             raise PipecError(f"--costs {key} must not be negative")
     return replace(base or CostModel(), **fields)
 

@@ -8,7 +8,7 @@ input is refused with one line before any work is done.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from passes.costs import CostModel
 from pipec.ir import PipecError, Schedule
@@ -16,7 +16,8 @@ from pipec.ir import PipecError, Schedule
 
 @dataclass(frozen=True)
 class Request:
-    """What the user asked for: pipeline ranks p, micro-batches m, chunks per rank v."""
+    """What the user asked for: pipeline ranks p, micro-batches m, chunks per rank v, and the
+    costs (a family sees them per chunk op: `build_schedule`)."""
 
     p: int
     m: int
@@ -83,7 +84,9 @@ def family(name: str) -> Family:
 
 
 def build_schedule(name: str, req: Request) -> Schedule:
-    """Validate the request against the family's rules, then build the schedule."""
+    """Validate the request against the family's rules, then build the schedule. The family
+    sees costs per chunk op: every family lays out p·v model chunks (two replicas of them in
+    Chimera and DualPipe), so a chunk is 1/v of a rank's share (its `Layout.stash_share`)."""
     fam = family(name)
     if req.p < 1:
         raise PipecError(f"--pp must be at least 1 (got {req.p})")
@@ -95,4 +98,6 @@ def build_schedule(name: str, req: Request) -> Schedule:
         why = check(req)
         if why:
             raise PipecError(f"{name}: {why}")
-    return fam.build(req)
+    sched = fam.build(replace(req, costs=req.costs.of_chunks(1 / req.v)))
+    assert sched.layout.stash_share == 1 / req.v, f"{name}: a chunk is not 1/v of a share"
+    return sched

@@ -156,6 +156,7 @@ def play(
     Stash transfers are recorded in `transfers` when one is given. `overlap_as_one`: an
     OVERLAP pair waits for the inputs of both its ops (DeepSeek's accounting, see above).
     """
+    costs = costs.of_chunks(layout.stash_share)  # a rank's share's costs: each chunk its part
     recompute = uses_recompute(programs)
     fused = fused_backwards(programs)
     rank_of = layout.stage_rank
@@ -297,6 +298,7 @@ def simulate(
     `played` reuses a `play` of the same compute orders when the programs move no stash
     (lowering keeps the orders), saving a pass. `overlap_as_one`: see the module docstring.
     """
+    costs = costs.of_chunks(layout.stash_share)
     recompute = uses_recompute(programs)
     moves = Transfers(layout, costs, recompute)
     times, _, played_slots = played or play(layout, programs, costs, moves, overlap_as_one)

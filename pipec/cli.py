@@ -64,12 +64,17 @@ def _schedule_options(fn: Callable) -> Callable:
         click.option(
             "--costs",
             default=None,
-            help="Per-op costs, e.g. F=1,B=1,W=1,comm=0 (F=1:2:1:1 per chunk).",
+            help="Time one micro-batch's F, B, W take on one rank's share of the model (a "
+            "stage of its p-way split), e.g. F=1,B=2,W=1,comm=0.1 (default F=B=W=1, comm=0); "
+            "a chunk's op takes its part (1/v with v chunks per rank), so makespans compare "
+            "across v. F=1:2:1:1 weighs each chunk; per=chunk: the values are per chunk op. "
+            "comm: one transfer's latency; allreduce: one share's replica all-reduce.",
         ),
         click.option(
             "--mem",
             default=None,
-            help="Memory per op in stashes, e.g. F=1,W=-0.5 (B nets the rest).",
+            help="Memory per op in stashes of a rank's share, e.g. F=1,W=-0.5 (B nets the "
+            "rest; a chunk's op moves its part).",
         ),
         click.option(
             "--memory-limit",
@@ -548,8 +553,8 @@ def _memory_rows(build: Build, sim: SimResult, stats: dict | None) -> list[dict]
     the run's real peaks when there was one (runtime/measure.py)."""
     from runtime.measure import memory_rows, predicted_peaks  # torch: only when asked
 
-    device = stats.get("device", "cpu") if stats is not None else "cpu"
-    peaks = predicted_peaks(build.plan, build.compiled, build.costs, sim, device)
+    device, backend = (stats.get("device", "cpu"), stats.get("backend")) if stats else ("cpu", None)
+    peaks = predicted_peaks(build.plan, build.compiled, build.costs, sim, device, backend)
     return memory_rows(peaks, stats)
 
 

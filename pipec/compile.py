@@ -26,7 +26,7 @@ from pipec.beside import beside
 from pipec.ir import Compiled, PipecError, Schedule, instruction_count
 
 PLAN_FORMAT = "pipec.plan/1"
-UNIT_COSTS = CostModel()  # F=B=W=1, comm 0: the default (a frozen value, shared)
+UNIT_COSTS = CostModel()  # F=B=W=1 per rank's share, comm 0: the default (frozen, shared)
 
 
 @dataclass(frozen=True)
@@ -103,9 +103,12 @@ def compile_schedule(
 
 
 def compile_from_schedule(sched: Schedule, opts: Options = Options()) -> CompileResult:
-    """Lower, simulate and verify a schedule built anywhere (a family, an imported order)."""
+    """Lower, simulate and verify a schedule built anywhere (a family, an imported order).
+    Costs given for a rank's share are taken per chunk op (`CostModel.of_chunks`) first: every
+    pass after this one, and the plan, read them so."""
     with gc_paused():
         opts.costs.check_chunks(sched.layout.n_chunks)
+        opts = replace(opts, costs=opts.costs.of_chunks(sched.layout.stash_share))
         played = None
         if opts.evict or opts.mapping != "sequential":
             compiled, mapping, memory_limit = place(
@@ -129,7 +132,7 @@ def package(
     compiled: Compiled, opts: Options = Options(), played: Played | None = None
 ) -> CompileResult:
     """Simulate and verify lowered programs and make their plan (also hand-written programs)."""
-    costs, limit = opts.costs, opts.memory_limit
+    costs, limit = opts.costs.of_chunks(compiled.layout.stash_share), opts.memory_limit
     stashes_limit = None if opts.limit_in_bytes else limit
     # Invariants 2-3 (the blocking execution) need no simulation: on a large compile they are
     # checked on the other core while this one simulates and checks the rest.

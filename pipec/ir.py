@@ -62,10 +62,11 @@ class Op(enum.Enum):
     the same order, so even a blocking collective cannot deadlock.
     """
     OVERLAP = "OVERLAP"
-    """The next two compute instructions, a forward and a backward, may run concurrently.
+    """The next two compute instructions, a forward and a backward, form DualPipe's F&B pair.
 
-    DualPipe's F&B pair: the runtime may interleave the forward's communication with the
-    backward's compute (and vice versa). Without the hint it runs them one after the other.
+    A hint: a runtime may interleave the forward's communication with the backward's compute
+    (and vice versa). pipec's runtime runs them one after the other, each once its own input
+    has arrived, and the simulator times them the same way (passes/simulate.py).
     """
     OPTIMIZER_STEP = "OPTIMIZER_STEP"
     """Apply the optimizer to every parameter this rank holds, then zero the gradients."""

@@ -20,7 +20,9 @@ MS_PER_S = 1000.0
 
 
 def model_costs(model: dict, base: CostModel) -> CostModel:
-    """`base` with per-chunk F/B/W (ms) and stash bytes taken from a model plan's stages."""
+    """`base` with per-chunk F/B/W (ms) and stash bytes taken from a model plan's stages: each
+    chunk's measured time, so costs per chunk op (`base`'s comm and allreduce are kept as
+    they are: give them per chunk op, `CostModel.of_chunks`)."""
     stages = model["stages"]
 
     def per_chunk(kind: str) -> tuple[float, ...]:
@@ -33,6 +35,7 @@ def model_costs(model: dict, base: CostModel) -> CostModel:
         W=per_chunk("W"),
         stash_bytes=tuple(float(s["stash_bytes"]) for s in stages),
         input_bytes=tuple(float(sum(map(tensor_bytes, s["inputs"]))) for s in stages),
+        per="chunk",
     )
 
 
@@ -80,7 +83,7 @@ def compile_model(
         p,
         m,
         v,
-        model_costs(model, costs),
+        model_costs(model, costs.of_chunks(layout.stash_share)),
         memory_limit,
         model=model,
         dp=dp,

@@ -7,11 +7,12 @@ plus what makes it measurable and safe: each instruction's start (after any wait
 input) and end; before one that allocates stash bytes, the stash moves out complete
 (`offload.settle`); after it, the sends that completed are let go (`Comm.poll`) and the memory is
 read: the stash counter and the meter's real bytes (runtime/meter.py); the watchdog is told
-where the rank is. The interpreter never reorders compute or sends; what overlaps is what the
-program issued before (sends, all-reduces) and the receives it posts ahead of their consumers
-(`post_points`). An op without a handler is refused before the run starts, naming the op and
-its line; an instruction that raises leaves the watchdog pointing at it, so the entry point's
-report names it and its line.
+where the rank is. On NCCL the messages of a batch (passes/batches.py) are issued together by
+its last instruction (`Comm.flush`). The interpreter never reorders compute or sends; what
+overlaps is what the program issued before (sends, all-reduces) and the receives it posts ahead
+of their consumers (`post_points`). An op without a handler is refused before the run starts,
+naming the op and its line; an instruction that raises leaves the watchdog pointing at it, so
+the entry point's report names it and its line.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from passes.batches import batch_ends
 from passes.memory_bytes import ALLOCATES, post_points
 from pipec.ir import Instr, Op, PipecError
 from runtime import clock, compute, grads, offload, p2p
@@ -95,9 +97,10 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
     Receives are posted where `post_points` says for `comm.post_ahead`: on gloo all of a
     step's at its start, since a gloo send whose receive is not posted waits for the
     receiver's notice, which a computing receiver delays by milliseconds; with NCCL at their
-    program positions, the issue order it matches by. Posting has no dependencies and gloo
-    matches by tag, so the order of compute and sends is unchanged; the cost is each buffer
-    from its posting to its consumer, which the prediction counts.
+    program positions, the issue order it matches by (each batch issued by its last
+    instruction). Posting has no dependencies and gloo matches by tag, so the order of compute
+    and sends is unchanged; the cost is each buffer from its posting to its consumer, which the
+    prediction counts.
     """
     program, comm = rt.program, rt.comm
     if rt.meter is None:
@@ -108,6 +111,7 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
     live, real = [0] * n, [0] * n
     posts = post_points(program, comm.post_ahead)
     ahead = {j for js in posts.values() for j in js}
+    ends = batch_ends(program) if comm.batched else frozenset()
     now, timer = time.perf_counter, clock.clock_for(rt.device, n)  # runtime/clock.py: CUDA
     params = rt.parameters()
     best, state = -1, 0
@@ -121,6 +125,8 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
             t0 = timer.start(j)
             watchdog.enter(j, t0)
             handlers[program[j].op](rt, program[j])
+            if j in ends:
+                comm.flush()
             begun[j], start[j], end[j] = t0, t0, timer.end(j)
         if k not in ahead:
             t0 = timer.start(k)
@@ -128,6 +134,8 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
             if instr.op in ALLOCATES:
                 offload.settle(rt)
             handlers[instr.op](rt, instr)
+            if k in ends:
+                comm.flush()
             t1 = timer.end(k)
             begun[k], start[k], end[k] = t0, t0 + comm.pop_waited(), t1
         comm.poll()

@@ -2,6 +2,11 @@
 
     torchrun --nproc-per-node P OUT/launch.py [--steps N] [--lr LR] [--save DIR]
         [--save-every K] [--resume DIR] [--check-grads] [--timeout S] [--model SPEC]
+        [--backend gloo|nccl] [--share-gpu]
+
+The backend is NCCL with CUDA (one GPU per rank), else gloo on CPU; `--share-gpu` runs several
+ranks on each GPU over gloo, their messages staged through host memory (runtime/p2p.py), which
+is how a one-GPU machine runs a real pipeline.
 
 Order matters. First the checks every rank would fail alike (backend, the build read and
 verified, world size, the model's factory found and still matching the plan, the checkpoint to
@@ -60,7 +65,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--backend",
         choices=("gloo", "nccl"),
         default=None,
-        help="default: nccl with CUDA, else gloo",
+        help="default: nccl with CUDA (gloo with --share-gpu), else gloo",
+    )
+    ap.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="the ranks of a node share its GPUs (all of them one GPU on a one-GPU machine): "
+        "gloo, messages through page-locked host memory",
     )
     ap.add_argument(
         "--threads",
@@ -176,8 +187,17 @@ class Run:
 
 def preflight(build_dir: Path, args: argparse.Namespace, world: int, local_world: int) -> Run:
     """The checks whose verdict is the same on every rank; PipecError names the defect."""
-    if args.backend == "nccl":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.share_gpu:
+        if args.backend == "nccl":
+            raise PipecError(
+                "--share-gpu runs on gloo: NCCL refuses two ranks on one GPU; drop --backend nccl"
+            )
+        if gpus == 0:
+            raise PipecError(
+                "--share-gpu needs CUDA, and torch sees no GPU here; drop it to run on CPU"
+            )
+    elif args.backend == "nccl":
         if gpus == 0:
             raise PipecError("--backend nccl needs CUDA, and torch sees no GPU here; use gloo")
         if local_world > gpus:
@@ -231,8 +251,8 @@ def main(
     grank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    args.backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device(f"cuda:{local_rank}") if args.backend == "nccl" else torch.device("cpu")
+    cuda = torch.cuda.is_available() and not args.share_gpu
+    args.backend = args.backend or ("nccl" if cuda else "gloo")
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
     try:
         run = preflight(build_dir, args, world, local_world)
@@ -240,6 +260,7 @@ def main(
         if grank == 0:
             print(f"pipec runtime: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    device = rank_device(args.backend, args.share_gpu, local_rank)
     try:
         rt = Rank.prepare(run.build, grank, world, device, run.spec, args.seed)
         check_program(rt.program, handlers, rt.source)
@@ -269,6 +290,14 @@ def main(
     dist.destroy_process_group()
     if failed:
         sys.exit(1)
+
+
+def rank_device(backend: str, share_gpu: bool, local_rank: int) -> torch.device:
+    """Where a rank computes: its own GPU with NCCL; with --share-gpu, GPU local_rank modulo
+    the node's GPUs (several ranks on each, over gloo); else the CPU."""
+    if share_gpu:
+        return torch.device(f"cuda:{local_rank % torch.cuda.device_count()}")
+    return torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
 
 
 def _adamw(lr: float) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
@@ -367,6 +396,7 @@ def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:
     c = build.compiled
     sim = simulate(c.layout, c.programs, build.costs)
     source = build.plan["model"]["cost"]["source"]
-    stats = summarize(reports, sim, source, skip)
+    # The backend decides where receives are posted, which the memory prediction follows.
+    stats = summarize(reports, sim, source, skip) | {"backend": dist.get_backend()}
     write(build.path / "measured", stats, timeline(reports, title(build)))
     print(measured_table(stats), flush=True)

@@ -12,7 +12,8 @@ every rank takes right after a barrier); rank 0 gathers them and writes OUT/meas
                    counter's peak (the bytes the runtime books for stashes: autograd's saved
                    tensors, what moved by EVICT/LOAD, accepted and deferred-W bytes, all
                    steps); busy time, interpreter overhead per instruction; and the
-                   simulator's figures for the same programs. `device` says which meter read it.
+                   simulator's figures for the same programs. `device` says which meter read
+                   it, `backend` (written by the entry point) where receives were posted.
 
 Bubble is the simulator's definition, 1 - sum(busy) / (ranks * makespan), with busy the compute
 instructions' time after their inputs arrived and makespan from the first compute start to the
@@ -149,12 +150,18 @@ def write(out: Path, stats: dict, trace: dict) -> None:
 
 
 def predicted_peaks(
-    plan: dict, compiled: Compiled, costs: CostModel, sim: SimResult, device: str
+    plan: dict,
+    compiled: Compiled,
+    costs: CostModel,
+    sim: SimResult,
+    device: str,
+    backend: str | None = None,
 ) -> tuple[RankBytes, ...]:
-    """The prediction (passes/memory_bytes.py) for a run on `device` (gloo's receive policy on
-    CPU, NCCL's on CUDA). On CPU it runs the model once per chunk for what the meter sees
-    beyond the frontend's stash bytes (`stash_extras`): autograd's host bytes and, with the
-    B/W split, what W holds; and it counts each posted gloo receive's host bytes. On CUDA
+    """The prediction (passes/memory_bytes.py) for a run on `device` with `backend`'s receive
+    policy (default: gloo on CPU, NCCL on CUDA; gloo on CUDA is `launch.py --share-gpu`). On
+    CPU it runs the model once per chunk for what the meter sees beyond the frontend's stash
+    bytes (`stash_extras`): autograd's host bytes and, with the B/W split, what W holds; and it
+    counts each posted gloo receive's host bytes. On CUDA
     none of these: host bytes are not device bytes, and building the whole model on the host
     is what a GPU run avoids; W then holds the simulator's share."""
     facts = ByteFacts.from_plan(plan)
@@ -162,7 +169,7 @@ def predicted_peaks(
         split = any(i.op in (Op.B, Op.W) for program in compiled.programs for i in program)
         extras = stash_extras(plan, split)
         facts = ByteFacts.from_plan(plan, extras.host, extras.w_held, GLOO_RECV_HOST_BYTES)
-    backend = "gloo" if device == "cpu" else "nccl"
+    backend = backend or ("gloo" if device == "cpu" else "nccl")
     return predict_peaks(compiled.layout, compiled.programs, costs, sim, facts, post_ahead(backend))
 
 

@@ -91,9 +91,7 @@ def accept(rt: Rank, instr: Instr) -> None:
     """ACCEPT: allocate the partner's stash buffer and post its receive."""
     s, mb = instr.stage, instr.mb
     n = buffer_bytes(rt, s, mb)
-    rt.comm.post(
-        Kind.STASH, s, mb, instr.peer, [torch.empty(n, dtype=torch.uint8, device=rt.device)]
-    )
+    rt.comm.post(Kind.STASH, s, mb, instr.peer, [((n,), torch.uint8)])
     rt.held[(s, mb)] = n
     rt.account(n)
 
@@ -110,8 +108,7 @@ def load(rt: Rank, instr: Instr) -> None:
     """LOAD: post the receive of the stash coming back (the backward waits for it)."""
     s, mb = instr.stage, instr.mb
     stash = _stash(rt, instr)
-    buffer = torch.empty(buffer_bytes(rt, s, mb), dtype=torch.uint8, device=rt.device)
-    rt.comm.post(Kind.STASH_BACK, s, mb, instr.peer, [buffer])
+    rt.comm.post(Kind.STASH_BACK, s, mb, instr.peer, [((buffer_bytes(rt, s, mb),), torch.uint8)])
     stash.loading = True
     rt.account(stash.saved.nbytes)
 

@@ -6,22 +6,32 @@ Every size is known from the plan on both sides (stage boundaries from the model
 stash's flat buffer from its measured bytes), so no message ever carries a size and no receive
 waits on the host for one.
 
-Receives: `post` issues a non-blocking receive into buffers the caller allocated; `take` waits
-for it and hands the buffers over (the consuming instruction; the time it waits is not busy
-time). Where the interpreter posts them is the backend's policy (`passes.memory_bytes.POST_AHEAD`).
+Receives: `post` allocates the buffers and issues a non-blocking receive; `take` waits for it
+and hands the buffers over (the consuming instruction; the time it waits is not busy time).
+Where the interpreter posts them is the transport's policy (`passes.memory_bytes.POST_AHEAD`).
 
 Sends: `send` issues a non-blocking send and keeps its tensors in `in_flight` only until it
 completes; `poll`, which the interpreter calls after every instruction, lets completed ones go,
 so a sent buffer lives from its send to the first instruction boundary after it arrived, never
-to the end of the step. On gloo a send work reports completion only once waited, and an
-`isend` can block its caller for milliseconds when the receiver has not posted yet (its I/O
-thread waits for a core), so each destination has a lane: a thread that issues that
-destination's sends in program order, waits for each, and drops its tensors the moment it
-completes. With NCCL the sends are issued here and `poll` asks each work whether it completed.
-`drain` (the optimizer step) only waits for what is still in flight.
+to the end of the step. `drain` (the optimizer step) only waits for what is still in flight.
 
-Tags make gloo match by key; NCCL ignores tags and matches in order, which the lowering's
-globally consistent message order guarantees.
+How messages travel is the `Transport`:
+- gloo matches messages by tag. Its send work reports completion only once waited, and an
+  `isend` can block its caller for milliseconds when the receiver has not posted yet (its I/O
+  thread waits for a core), so each destination has a lane: a thread that issues that
+  destination's sends in program order, waits for each, and drops its tensors the moment it
+  completes.
+- NCCL matches messages in issue order per pair of ranks and direction, and has no tags. Every
+  message goes through `batch_isend_irecv`, one batch per `passes.batches.message_batches`
+  entry (the interpreter calls `flush` at each batch's end), so all of them share the group's
+  communicator and its order, and a send and a receive of one batch progress together. `poll`
+  asks each work whether it completed. On CUDA messages are issued from their own stream,
+  ordered against compute by events (runtime/transport.py). The same protocol runs over gloo
+  (no tags, so matched in order too), which is how the CPU tests exercise it.
+- Staged (gloo with tensors on a GPU, which gloo cannot carry): a send copies its tensors to
+  host buffers (page-locked, asynchronously; its lane waits for the copy) and keeps the device
+  tensors until it completes, as an NCCL send would; a receive lands in host buffers and is
+  copied into its device buffers when taken.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -38,12 +49,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from passes.memory_bytes import post_ahead
 from pipec.ir import Instr
+from runtime.transport import CommStream, Staging, Transport
 
 if TYPE_CHECKING:
     from runtime.rank import Rank
 
 MAX_TENSORS = 8  # tensors per message (a stage boundary); each gets its own tag
+Spec = tuple[tuple[int, ...], torch.dtype]  # a receive buffer: shape and dtype
 
 
 class Kind(enum.IntEnum):
@@ -54,31 +68,56 @@ class Kind(enum.IntEnum):
 
 
 class Send:
-    """One message in flight: `tensors` are referenced until the send completes.
+    """One message in flight: `tensors` (what was sent, and its host copies when staged) are
+    referenced until the send completes; `wire` is what goes on the wire.
 
     `issued_at` and `completed_at` are the sender's instruction clock (`Comm.clock`) when it
     was issued and when its completion was seen."""
 
-    __slots__ = ("completed_at", "done", "dst", "issued_at", "key", "tensors", "works")
+    __slots__ = (
+        "completed_at", "done", "dst", "issued_at", "key", "tensors", "wire", "works", "written",
+    )  # fmt: skip
 
-    def __init__(self, key: tuple[Kind, int, int], dst: int, tensors: tuple[Tensor, ...], at: int):
-        self.key, self.dst, self.tensors, self.issued_at = key, dst, tensors, at
+    def __init__(
+        self,
+        key: tuple[Kind, int, int],
+        dst: int,
+        tensors: tuple[Tensor, ...],
+        at: int,
+        wire: tuple[Tensor, ...],
+        written: torch.cuda.Event | None = None,
+    ) -> None:
+        self.key, self.dst, self.tensors, self.issued_at, self.wire = key, dst, tensors, at, wire
+        self.written = written  # staged on CUDA: the copy to host memory is done
         self.works: list = []
         self.completed_at: int | None = None
         self.done = threading.Event()  # set by the lane that completed it
 
     def finish(self, clock: int) -> None:
         """Completed: let the buffers go."""
-        self.tensors = ()
+        self.tensors = self.wire = ()
+        self.written = None
         self.completed_at = clock
         self.done.set()
+
+
+class Posted:
+    """A posted receive: `buffers` are the consumer's, `wire` what the transfer writes (the
+    buffers, or their host twins when staged), `works` its works once issued."""
+
+    __slots__ = ("buffers", "src", "wire", "works")
+
+    def __init__(self, src: int, buffers: list[Tensor], wire: list[Tensor]) -> None:
+        self.src, self.buffers, self.wire = src, buffers, wire
+        self.works: list = []
 
 
 class Comm:
     """One rank's posted receives and in-flight sends.
 
     `post_ahead`: how many compute instructions before its consumer the interpreter posts a
-    receive (None: all of a step's receives at its start)."""
+    receive (None: all of a step's receives at its start). `stream`: the comm stream of an
+    NCCL run on CUDA (made here unless given; tests pass a stand-in)."""
 
     def __init__(
         self,
@@ -86,52 +125,103 @@ class Comm:
         n_stages: int,
         m: int,
         timeout: float,
-        post_ahead: int | None = 0,
-        lanes: bool = False,
+        device: torch.device | None = None,
+        transport: Transport | None = None,
+        stream: CommStream | None = None,
     ) -> None:
         self.global_rank = global_rank
-        self.post_ahead = post_ahead
+        self.device = device or torch.device("cpu")
+        transport = transport or Transport()
+        self.batched = transport.protocol == "nccl"
+        self.post_ahead = post_ahead(transport.protocol)
+        self.staging = Staging(transport.pinned) if transport.staged else None
+        if stream is None and self.batched and self.device.type == "cuda":
+            stream = CommStream(self.device)
+        self.stream = stream
         self.n_stages, self.m = n_stages, m
         self.timeout = timedelta(seconds=timeout)
-        self.posted: dict[tuple[int, int, int], tuple[int, list, list[Tensor]]] = {}
+        self.posted: dict[tuple[int, int, int], Posted] = {}
         self.in_flight: list[Send] = []
         self.clock = 0  # instructions this rank has begun, all steps (the interpreter counts)
         self.waited = 0.0  # seconds spent waiting since the interpreter last read it
         self.waiting_on: tuple[int, Kind, int, int] | None = None  # (src, key) of a blocked wait
-        self._lanes: dict[int, queue.Queue[Send]] | None = {} if lanes else None
+        self._batch: list[tuple] = []  # the open batch: (op, tensor, peer, tag, works to fill)
+        self._lanes: dict[int, queue.Queue[Send]] | None = None if self.batched else {}
         self._error: Exception | None = None  # a lane's failure, raised by the next call here
         self._lock = threading.Lock()  # a lane marking a send complete vs the poll
 
     def _tag(self, kind: Kind, stage: int, mb: int, i: int) -> int:
+        if self.batched:
+            return 0  # matched in issue order, as NCCL does (which ignores tags)
         return ((kind * self.n_stages + stage) * self.m + mb) * MAX_TENSORS + i
+
+    def _issuing(self, sends: bool) -> AbstractContextManager:
+        return self.stream.issuing(sends) if self.stream is not None else nullcontext()
+
+    def _submit(
+        self, op: Callable, tensors: Sequence[Tensor], peer: int, key: tuple, works: list
+    ) -> None:
+        """Issue one message's tensors now, or add them to the open batch (NCCL)."""
+        tags = [self._tag(*key, i) for i in range(len(tensors))]
+        if self.batched:
+            self._batch += [(op, t, peer, tag, works) for t, tag in zip(tensors, tags)]
+        else:
+            works.extend(op(t, peer, tag=tag) for t, tag in zip(tensors, tags))
+
+    def flush(self) -> None:
+        """Issue the open batch as one `batch_isend_irecv` (a batch ends; see passes/batches)."""
+        if not self._batch:
+            return
+        batch, self._batch = self._batch, []
+        ops = [dist.P2POp(op, t, peer, tag=tag) for op, t, peer, tag, _ in batch]
+        with self._issuing(sends=any(op is dist.isend for op, *_ in batch)):
+            works = dist.batch_isend_irecv(ops)
+        owners = [entry[-1] for entry in batch]
+        if len(works) == len(batch):  # a work per tensor (gloo does not coalesce)
+            for owner, w in zip(owners, works):
+                owner.append(w)
+        else:  # one work for the whole batch (NCCL)
+            for owner in {id(owner): owner for owner in owners}.values():
+                owner.extend(works)
 
     # -- receives ----------------------------------------------------------------------------
 
-    def post(self, kind: Kind, stage: int, mb: int, peer: int, buffers: Sequence[Tensor]) -> None:
+    def post(self, kind: Kind, stage: int, mb: int, peer: int, specs: Sequence[Spec]) -> None:
+        """Allocate the buffers of a message and issue its receive."""
         key = (kind, stage, mb)
         if key in self.posted:
             raise RuntimeError(f"{kind.name} s={stage} mb={mb} received twice")
-        src = self.global_rank(peer)
-        works = [
-            dist.irecv(b, src=src, tag=self._tag(kind, stage, mb, i)) for i, b in enumerate(buffers)
-        ]
-        self.posted[key] = (src, works, list(buffers))
+        with self._issuing(sends=False):  # on CUDA the buffers belong to the comm stream
+            buffers = [
+                torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs
+            ]
+        wire = self.staging.host(buffers) if self.staging else buffers
+        entry = self.posted[key] = Posted(self.global_rank(peer), buffers, wire)
+        self._submit(dist.irecv, wire, entry.src, key, entry.works)
 
     def take(self, kind: Kind, stage: int, mb: int) -> tuple[Tensor, ...]:
-        """Wait for a posted receive and return its buffers (this rank's from now on)."""
+        """Wait for a posted receive and return its buffers (this rank's from now on). On CUDA
+        with NCCL the compute stream waits, not the host (runtime/transport.py)."""
         try:
-            src, works, buffers = self.posted.pop((kind, stage, mb))
+            entry = self.posted.pop((kind, stage, mb))
         except KeyError:
             raise RuntimeError(
                 f"needs {kind.name} of stage {stage} mb {mb}, but no receive was posted for it"
             ) from None
-        self.waiting_on = (src, kind, stage, mb)
+        if entry.wire and not entry.works:  # still in the open batch: issue it first
+            self.flush()
+        if self.stream is not None:
+            self.stream.consume(entry.works, entry.buffers)
+            return tuple(entry.buffers)
+        self.waiting_on = (entry.src, kind, stage, mb)
         t0 = time.perf_counter()
-        for w in works:
+        for w in entry.works:
             w.wait(self.timeout)
         self.waited += time.perf_counter() - t0
         self.waiting_on = None
-        return tuple(buffers)
+        if self.staging:
+            self.staging.into(entry.buffers, entry.wire)
+        return tuple(entry.buffers)
 
     # -- sends -------------------------------------------------------------------------------
 
@@ -140,24 +230,18 @@ class Comm:
         if len(tensors) > MAX_TENSORS:
             raise RuntimeError(f"{len(tensors)} tensors in one message; at most {MAX_TENSORS}")
         self._raise_error()
-        out = Send(
-            (kind, stage, mb),
-            self.global_rank(peer),
-            tuple(t.detach().contiguous() for t in tensors),
-            self.clock,
-        )
+        held = tuple(t.detach().contiguous() for t in tensors)
+        key, dst = (kind, stage, mb), self.global_rank(peer)
+        if self.staging is None:
+            out = Send(key, dst, held, self.clock, held)
+        else:
+            host, written = self.staging.out(held)
+            out = Send(key, dst, held + tuple(host), self.clock, tuple(host), written)
         self.in_flight.append(out)
         if self._lanes is None:
-            out.works = self._issue(out)
+            self._submit(dist.isend, out.wire, dst, key, out.works)
         else:
-            self._lane(out.dst).put(out)
-
-    def _issue(self, out: Send) -> list:
-        kind, stage, mb = out.key
-        return [
-            dist.isend(t, dst=out.dst, tag=self._tag(kind, stage, mb, i))
-            for i, t in enumerate(out.tensors)
-        ]
+            self._lane(dst).put(out)
 
     def _lane(self, dst: int) -> queue.Queue[Send]:
         assert self._lanes is not None
@@ -185,7 +269,11 @@ class Comm:
     def _send_and_wait(self, out: Send) -> None:
         # Its own frame: a work holds its tensor, and a loop variable outliving the wait
         # would keep the last send's buffer until the lane's next message.
-        for w in self._issue(out):
+        if out.written is not None:
+            out.written.synchronize()
+        works: list = []
+        self._submit(dist.isend, out.wire, out.dst, out.key, works)
+        for w in works:
             w.wait(self.timeout)
 
     def _raise_error(self) -> None:
@@ -197,7 +285,8 @@ class Comm:
         self._raise_error()
         if self._lanes is None:
             for out in self.in_flight:
-                if out.completed_at is None and all(w.is_completed() for w in out.works):
+                issued = out.works or not out.wire  # a send in the open batch has no work yet
+                if out.completed_at is None and issued and all(w.is_completed() for w in out.works):
                     out.finish(self.clock)
         with self._lock:
             if any(out.completed_at is not None for out in self.in_flight):
@@ -205,6 +294,7 @@ class Comm:
 
     def complete(self, kinds: frozenset[Kind] | None = None) -> None:
         """Wait until the sends in flight (of `kinds`; None: all) have completed; release them."""
+        self.flush()  # a send still in the open batch would never complete
         t0 = time.perf_counter()
         for out in self.in_flight:
             if kinds is not None and out.key[0] not in kinds:
@@ -236,23 +326,16 @@ class Comm:
         return waited
 
 
-def _buffers(rt: Rank, stage: int, which: str) -> list[Tensor]:
-    return [
-        torch.empty(shape, dtype=dtype, device=rt.device)
-        for shape, dtype in rt.boundary(stage, which)
-    ]
-
-
 def recv_act(rt: Rank, instr: Instr) -> None:
     """Post the receive of stage s's input activation, produced by the previous stage."""
     prev = rt.layout.prev_stage(instr.stage)
-    rt.comm.post(Kind.ACT, prev, instr.mb, instr.peer, _buffers(rt, instr.stage, "inputs"))
+    rt.comm.post(Kind.ACT, prev, instr.mb, instr.peer, rt.boundary(instr.stage, "inputs"))
 
 
 def recv_grad(rt: Rank, instr: Instr) -> None:
     """Post the receive of the gradient of stage s's output, produced by the next stage."""
     nxt = rt.layout.next_stage(instr.stage)
-    rt.comm.post(Kind.GRAD, nxt, instr.mb, instr.peer, _buffers(rt, instr.stage, "outputs"))
+    rt.comm.post(Kind.GRAD, nxt, instr.mb, instr.peer, rt.boundary(instr.stage, "outputs"))
 
 
 def send_act(rt: Rank, instr: Instr) -> None:

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from passes.memory_bytes import post_ahead
 from pipec.build_dir import Build, rank_file
 from pipec.frontend import FrontendError, ModelSpec, build_stages, load_factory
 from pipec.ir import Instr, Op, PipecError
@@ -28,6 +27,7 @@ from runtime.data import MicroBatch, Stream, Synthetic, open_source
 from runtime.meter import Meter
 from runtime.p2p import Comm
 from runtime.stash import Stash, storage_key
+from runtime.transport import Transport
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -245,18 +245,20 @@ class Rank:
             frozenset((i.stage, i.mb) for i in program if split and i.op is Op.BW),
         )
 
-    def connect(self, optimizer: OptimizerFactory, timeout: float) -> None:
-        """Create the groups the program's collectives use (every rank, same order) and the
-        optimizer. Needs the default process group."""
+    def connect(
+        self, optimizer: OptimizerFactory, timeout: float, transport: Transport | None = None
+    ) -> None:
+        """Create the messages' transport (the backend's, unless given), the groups the
+        program's collectives use (every rank, same order) and the optimizer. Needs the default
+        process group."""
         c = self.build.compiled
         self.comm = Comm(
             self.global_rank,
             self.layout.n_stages,
             self.layout.m,
             timeout,
-            # NCCL matches in issue order on one stream per peer: keep the program's positions
-            post_ahead=post_ahead(dist.get_backend()),
-            lanes=dist.get_backend() == "gloo",
+            self.device,
+            transport or Transport.for_run(dist.get_backend(), self.device),
         )
         dp_groups = [[d * c.world + r for d in range(self.dp)] for r in range(c.world)]
         for r, ranks in enumerate(dp_groups):

@@ -3,6 +3,11 @@
 from passes.costs import CostModel, parse_costs
 from pipec.compile import CompileResult, compile_schedule
 
+CHUNK_UNITS = "per=chunk"
+"""The papers' unit where they count chunk passes: each op of one chunk takes the cost as
+given (F=B=W=1 by default), not its part of a rank's share. Figures drawn in chunk units
+(ZB-V, V-shape, BitPipe, DualPipeV, torch's two-chunk orders) are reproduced with it."""
+
 
 def run(
     schedule: str, p: int, m: int, v: int | None = None, costs: str = "", **kw

@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc-per-node 4 tests/runtime_harness.py CASES.json RESULTS_DIR
 
-CASES.json lists {"name", "build", "kind": "grads" | "train" | "memory", "steps", "lr"}. For each
+CASES.json lists {"name", "build", "kind": "grads" | "train" | "memory", "steps", "lr"}, and for
+a grads case optionally "comm" (a forced transport: `TRANSPORTS`) and "device". For each
 case every rank rebuilds its stages from the build, runs its program and writes to
 RESULTS_DIR/<rank>.json what the runtime tests assert: its parameter gradients compared with a
 single-process reference on the same micro-batches (grads: the comparison
@@ -33,10 +34,12 @@ from runtime.faults import Watchdog
 from runtime.gradcheck import GradCapture, compare, reference_grads
 from runtime.interpreter import HANDLERS
 from runtime.main import train, write_measurements
-from runtime.p2p import Kind
+from runtime.p2p import Comm, Kind
 from runtime.rank import Rank
+from runtime.transport import Transport
 
 TIMEOUT_S = 60.0
+CPU = torch.device("cpu")
 
 
 class CapturingAdamW(torch.optim.AdamW):
@@ -109,12 +112,16 @@ class SendWatch:
 
 @cache
 def reference(
-    spec: str, seed: int, n_mb: int, micro_batch_size: int | None = None
+    spec: str,
+    seed: int,
+    n_mb: int,
+    micro_batch_size: int | None = None,
+    device: torch.device = CPU,
 ) -> dict[str, torch.Tensor]:
-    """Gradients of the unsplit model: mean loss over micro-batches 0..n_mb-1."""
+    """Gradients of the unsplit model on `device`: mean loss over micro-batches 0..n_mb-1."""
     ms = load_factory(spec, seed, micro_batch_size)
     batches = [micro_batch(ms, i) for i in range(n_mb)]
-    return reference_grads(ms.model, ms.loss_fn, batches, torch.device("cpu"))
+    return reference_grads(ms.model, ms.loss_fn, batches, device)
 
 
 def reference_losses(
@@ -141,7 +148,7 @@ def compare_grads(rt: Rank, captured: dict[int, torch.Tensor]) -> dict:
     """`launch.py --check-grads`'s comparison; an AssertionError names the first mismatch."""
     model = rt.build.plan["model"]
     size = model.get("micro_batch_size")
-    ref = reference(model["spec"], model["seed"], rt.layout.m * rt.dp, size)
+    ref = reference(model["spec"], model["seed"], rt.layout.m * rt.dp, size, rt.device)
     checks = compare(rt.modules, rt.grank, captured, ref)
     errors = [c.error for c in checks if c.error]
     if errors:
@@ -152,14 +159,49 @@ def compare_grads(rt: Rank, captured: dict[int, torch.Tensor]) -> dict:
     }
 
 
+#: Transports a case may force (`"comm"`; default: the backend's for the device): NCCL's
+#: protocol over gloo (batches, matched in issue order), and gloo staged through host memory.
+TRANSPORTS = {"nccl": Transport("nccl"), "staged": Transport("gloo", staged=True)}
+
+
+def watch_comm(comm: Comm) -> dict[str, list[int]]:
+    """Count what the transport does: messages per issued batch, host copies out and in."""
+    seen: dict[str, list[int]] = {"batches": [], "staged_out": [], "staged_in": []}
+    flush = comm.flush
+
+    def counted_flush() -> None:
+        if comm._batch:
+            seen["batches"].append(len({id(entry[-1]) for entry in comm._batch}))
+        flush()
+
+    comm.flush = counted_flush
+    if comm.staging is not None:
+        out, into = comm.staging.out, comm.staging.into
+
+        def counted_out(tensors):  # type: ignore[no-untyped-def]
+            seen["staged_out"].append(len(tensors))
+            return out(tensors)
+
+        def counted_into(buffers, host):  # type: ignore[no-untyped-def]
+            seen["staged_in"].append(len(buffers))
+            into(buffers, host)
+
+        comm.staging.out, comm.staging.into = counted_out, counted_into
+    return seen
+
+
 def run_case(case: dict, watchdog: Watchdog) -> dict:
     build = load(Path(case["build"]))
-    rt = Rank.prepare(build, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    device = torch.device(case.get("device", "cpu"))  # "cuda": every rank shares GPU 0
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rt = Rank.prepare(build, dist.get_rank(), dist.get_world_size(), device)
     watchdog.describe = rt.describe
     if case["kind"] == "grads":
-        rt.connect(GradCapture, TIMEOUT_S)
+        rt.connect(GradCapture, TIMEOUT_S, TRANSPORTS.get(case.get("comm", "")))
+        seen = watch_comm(rt.comm)
         train(rt, 1, HANDLERS, watchdog)
-        result = compare_grads(rt, rt.optimizer.grads)
+        result = compare_grads(rt, rt.optimizer.grads) | seen
     elif case["kind"] == "memory":
         rt.connect(lambda ps: CapturingAdamW(ps, case["lr"]), TIMEOUT_S)
         watch = SendWatch(rt)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from pipec.ir import COMPUTE_OPS, Instr, Op
-from tests.helpers import peaks, run
+from tests.helpers import CHUNK_UNITS, peaks, run
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 EQUAL_FB = "F=1,B=1,W=0"  # a fused backward as long as a forward
@@ -61,8 +61,8 @@ def test_chimera_weights_twice_and_sync_at_the_end():
 
 
 def test_bitpipe_figure_d4_n4():
-    """D=4, N=4, B=2F: the iteration takes 28 units on every rank, 24 of them busy."""
-    r = run("bitpipe", 4, 4)
+    """D=4, N=4, B=2F: the iteration takes 28 chunk units on every rank, 24 of them busy."""
+    r = run("bitpipe", 4, 4, costs=CHUNK_UNITS)
     assert r.sim.makespan == 28
     assert [s.busy for s in r.sim.ranks] == [24, 24, 24, 24]
     assert max(s.span for s in r.sim.ranks) == 28
@@ -96,15 +96,18 @@ def test_bitpipe_syncs_eagerly():
 
 
 def test_eager_sync_hides_the_allreduce_that_chimera_pays_at_the_end():
-    """A chunk's all-reduce costs `allreduce`; a rank's collectives run one after another."""
+    """`allreduce` is one rank's share's all-reduce and a chunk's takes its part; a rank's
+    collectives run one after another. Both sync the same gradients per rank (2 shares)."""
     for name, v in (("chimera", 1), ("bitpipe", 2)):
         base = run(name, 4, 8, v).sim
         slow = run(name, 4, 8, v, costs="allreduce=1").sim
         exposed = slow.makespan - base.makespan
-        if name == "chimera":  # two chunks per rank pair, both after the last backward
+        if name == "chimera":  # two whole shares per rank pair, both after the last backward
             assert exposed == 2 and max(s.sync for s in slow.ranks) == 2
-        else:  # four chunks per pair, most issued while compute remains
-            assert exposed < 4 and max(s.sync for s in slow.ranks) < 4
+        else:  # four half shares per pair, most issued while compute remains
+            assert exposed < 2 and max(s.sync for s in slow.ranks) < 2
+            per_chunk = run(name, 4, 8, v, costs="per=chunk,F=0.5,B=0.5,W=0.5,allreduce=0.5").sim
+            assert per_chunk.makespan == slow.makespan
 
 
 @pytest.mark.parametrize("p, m", [(4, 16), (6, 12), (8, 32)])

@@ -54,12 +54,17 @@ def run_step(device: str, stream: FakeStream, n: int = 3):
     rt = SimpleNamespace(
         program=program,
         comm=SimpleNamespace(
-            post_ahead=0, pop_waited=lambda: 0.0, poll=lambda: None, clock=0, in_flight=[]
+            post_ahead=0,
+            batched=False,
+            pop_waited=lambda: 0.0,
+            poll=lambda: None,
+            clock=0,
+            in_flight=[],
         ),
         live=0,
         device=torch.device(device),
         meter=SimpleNamespace(start_step=lambda state: None, read=lambda: 0, step_peak=max),
-        parameters=lambda: [],
+        parameters=list,
         optimizer=None,
     )
     watchdog = SimpleNamespace(enter=lambda k, t: None, leave=lambda: None)

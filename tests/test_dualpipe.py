@@ -7,7 +7,7 @@ from passes.registry import Request, build_schedule
 from passes.simulate import SimResult, simulate
 from pipec.compile import CompileResult
 from pipec.ir import Instr, Op
-from tests.helpers import peaks, run
+from tests.helpers import CHUNK_UNITS, peaks, run
 
 TORCH_OP = {
     _ComputationType.FORWARD: Op.F,
@@ -58,7 +58,7 @@ def test_dualpipe_p8_m20_deepseek_figure():
 
 def test_dualpipev_p4_m10_deepseek_figure():
     """6 idle per rank in half-chunk units; PP+1 = 9 chunk stashes of half a rank's share."""
-    r = run("dualpipev", 4, 10)
+    r = run("dualpipev", 4, 10, costs=CHUNK_UNITS)
     sim = deepseek(r)
     assert sim.makespan == 66
     assert all(sim.makespan - s.busy == 6 for s in sim.ranks)
@@ -76,16 +76,16 @@ def test_dualpipe_bubble_formula(p, m):
     assert r.sim.makespan <= sim.makespan
 
 
-@pytest.mark.parametrize("costs", ["", "F=18.522,B=18.086,W=9.337,comm=0.601"])
+@pytest.mark.parametrize("costs", [CHUNK_UNITS, "F=18.522,B=18.086,W=9.337,comm=0.601"])
 @pytest.mark.parametrize("p, m", [(4, 8), (8, 24)])
 def test_dualpipev_pairs_run_in_turn_like_torchs_order(p, m, costs):
     """Each op of a pair starts when its own input is there: pipec's dualpipev takes exactly
-    as long as torch's ScheduleDualPipeV order run op by op (51 at p=4, m=8, unit costs)."""
+    as long as torch's ScheduleDualPipeV order run op by op (51 at p=4, m=8, unit chunk costs)."""
     r = run("dualpipev", p, m, costs=costs)
     plain = [[i for i in order if i.op is not Op.OVERLAP] for order in torch_orders(p, m)]
     theirs = simulate(r.compiled.layout, plain, r.costs)
     assert r.sim.makespan == pytest.approx(theirs.makespan, rel=1e-12)
-    if (p, m, costs) == (4, 8, ""):
+    if (p, m, costs) == (4, 8, CHUNK_UNITS):
         assert r.sim.makespan == 51
 
 

@@ -22,10 +22,14 @@ def test_gpipe_p4_m8():
     assert peaks(r) == [8, 8, 8, 8]
 
 
-def test_interleaved_v2_halved_chunk_costs():
-    r = run("interleaved", 4, 8, 2, costs="F=0.5,B=0.5,W=0.5")
+def test_interleaved_v2_chunks_take_half_a_share():
+    """At the same (default) costs as 1F1B each chunk op takes half, so every rank does 1F1B's
+    work: 28.5 against 1F1B's 33, the bubble (p-1)(F+B+W)/v. Per chunk op that is F=0.5."""
+    r = run("interleaved", 4, 8, 2)
     assert r.sim.makespan == 28.5
+    assert [s.busy for s in r.sim.ranks] == [s.busy for s in run("1f1b", 4, 8).sim.ranks]
     assert peaks(r) == [5.5, 4.5, 3.5, 2.5]
+    assert run("interleaved", 4, 8, 2, costs="per=chunk,F=0.5,B=0.5,W=0.5").sim.makespan == 28.5
 
 
 @pytest.mark.parametrize(

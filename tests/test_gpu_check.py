@@ -1,8 +1,12 @@
 """`make gpu-check` (bench/gpu_check.py): without CUDA it names every step it skipped and exits
-0; each step's outcome and figure lines come from the command's own exit code and output."""
+0; each step's outcome and figure lines come from the command's own exit code and output; every
+step's script is in the checkout (the shared-GPU pipeline and CUDA memory benches skip without
+CUDA), the summary quotes the rows they print, and the runtime-cuda step selects the runtime's
+shared-GPU tests."""
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +67,86 @@ def test_an_empty_pytest_selection_is_a_skip_not_a_failure(tmp_path):
     argv = (sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(tmp_path / "test_none.py"))
     outcome, _ = gpu_check.run(gpu_check.Step("t", "no gpu tests", argv, "passed"))
     assert outcome.startswith("skipped: no test selected yet")
+
+
+def load_bench(name: str):  # type: ignore[no-untyped-def]
+    """bench/NAME.py as a module (bench/ scripts import each other by name)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"bench/{name}.py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_step_is_runnable_from_this_checkout():
+    """The shared-GPU pipeline and the CUDA memory figures have their scripts: on the GPU
+    machine no step is skipped for a missing piece."""
+    assert [s.name for s in gpu_check.steps(ROOT) if s.missing()] == []
+    assert {"bench/gpu_pipeline.py", "bench/cuda_memory.py"} <= {
+        s.script for s in gpu_check.steps(ROOT)
+    }
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA it would run the benchmark")
+@pytest.mark.parametrize("script", ["gpu_pipeline", "cuda_memory"])
+def test_the_gpu_benches_without_cuda_say_they_skipped(script):
+    proc = subprocess.run(
+        [sys.executable, f"bench/{script}.py"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (
+        proc.stdout
+        == f"{script}: skipped: needs a CUDA GPU and torch sees none; nothing measured\n"
+    )
+
+
+HEADER = "NVIDIA H100, 4 ranks sharing it (--share-gpu), gpt.py:tiny, m=8"
+
+
+def test_the_summary_quotes_the_rows_the_benches_print():
+    steps = {s.name: s for s in gpu_check.steps(ROOT)}
+    pipeline, memory = load_bench("gpu_pipeline"), load_bench("cuda_memory")
+    stats = {
+        "measured": {"makespan_ms": 12.5},
+        "simulated": {"makespan_ms": 10.0},
+        "ranks": [{"busy_ms": 3.0}] * 4,
+    }
+    lines = {
+        "pipeline-cuda": [
+            f"gpu_pipeline: {HEADER}, 20 steps, figures of steps 2..",
+            pipeline.row("1f1b --evict", stats, "ok"),
+        ],
+        "cuda-memory": [
+            f"cuda_memory: {HEADER}, 4 steps, figures of steps 2..",
+            memory.row("v-half", 3, 4 * 2**20, 4 * 2**20 - 2**16),
+            "real/predicted peak over every rank: 0.990 to 1.020",
+        ],
+    }
+    for name, (header, *figures) in lines.items():
+        quoted = [line for line in [header, *figures] if re.search(steps[name].figures, line)]
+        assert quoted == figures, name
+    assert "measured/simulated  1.25" in lines["pipeline-cuda"][1]
+    assert "real/predicted 1.016" in lines["cuda-memory"][1]
+
+
+def test_the_runtime_cuda_step_selects_the_shared_gpu_runtime_tests():
+    """tests/test_runtime_cuda.py is marked gpu and lies where the step's selection looks: ranks
+    sharing the GPU, and NCCL with a GPU per rank (run where there are two GPUs or more)."""
+    step = next(s for s in gpu_check.steps(ROOT) if s.name == "runtime-cuda")
+    assert "tests" in step.argv and "--ignore=tests/test_runtime_cuda.py" not in step.argv
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu",
+         "-p", "no:cacheprovider", "tests/test_runtime_cuda.py"],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    collected = [line for line in proc.stdout.splitlines() if "::" in line]
+    schedules = ["1f1b", "zb-v", "v-half", "bitpipe", "1f1b --evict"]
+    tests = [
+        "test_gradients_of_ranks_sharing_a_gpu_equal_the_reference",
+        "test_on_nccl_with_a_gpu_per_rank_the_gradients_equal_the_reference",
+    ]
+    assert collected == [f"tests/test_runtime_cuda.py::{t}[{s}]" for t in tests for s in schedules]

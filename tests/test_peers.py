@@ -87,7 +87,7 @@ def test_zbv_orders_are_torchs(p, m):
 def test_shortest_keeps_the_first_of_equals_and_respects_the_bound():
     """Ties keep the earlier candidate (the family's own construction); a candidate over the
     bound is never chosen, however short."""
-    unit = CostModel()
+    unit = CostModel(per="chunk")
     zbv, half = zbv_orders(4, 8), reference_orders(v_half_slots, 4, 8)
     assert makespan(zbv, unit) < makespan(half, unit) and peak(zbv, unit) > peak(half, unit)
     assert shortest([half, zbv], unit, bound=peak(half, unit)) is half

@@ -23,8 +23,12 @@ from tests.test_torch_csv import compute_orders
 
 family("1f1b")  # registers the built-in families
 
-#: The zero-bubble paper's 1.5B model (Table 9 profile, ms), as in test_foundation_figures.
-COSTS = {"unit": CostModel(), "1.5B": parse_costs("F=18.522,B=18.086,W=9.337,comm=0.601")}
+#: Unit costs and the zero-bubble paper's 1.5B model (Table 9 profile, ms), per chunk op as
+#: the peers' figures are (bench/torch_orders.py, bench/data/README.md).
+COSTS = {
+    "unit": CostModel(per="chunk"),
+    "1.5B": parse_costs("per=chunk,F=18.522,B=18.086,W=9.337,comm=0.601"),
+}
 SHAPES = [(4, 8), (8, 24)]
 
 

@@ -7,7 +7,7 @@ import pytest
 from passes.schedules.vblocks import T
 from passes.schedules.vshape import block_of, v_half_slots, v_min_slots, v_zb_slots
 from pipec.ir import PipecError
-from tests.helpers import peaks, run
+from tests.helpers import CHUNK_UNITS, peaks, run
 
 SLOTS = {"v-min": v_min_slots, "v-half": v_half_slots, "v-zb": v_zb_slots}
 
@@ -27,16 +27,19 @@ def wall_bubble(result) -> float:
     ],
 )
 def test_reference_figures(name, p, m, makespan, peak):
-    r = run(name, p, m)
+    r = run(name, p, m, costs=CHUNK_UNITS)
     assert r.sim.makespan <= makespan and max(peaks(r)) <= peak
 
 
 @pytest.mark.parametrize("p", [3, 4, 5, 6, 7, 9, 10])
 def test_bubbles_and_peaks_follow_the_formulas(p):
     """V-Min: bubble 4p-5 (4p-7 when 3 | p) at (p+4)//3 stashes; V-Half: 3p-7 (even p) or
-    3p-4 (odd p) at (p+2)//2 stashes; V-ZB: no rank idles inside its span, p stashes."""
+    3p-4 (odd p) at (p+2)//2 stashes; V-ZB: no rank idles inside its span, p stashes. The
+    bubbles are in the paper's chunk units."""
     m = 2 * p
-    v_min, v_half, v_zb = run("v-min", p, m), run("v-half", p, m), run("v-zb", p, m)
+    v_min, v_half, v_zb = (
+        run(name, p, m, costs=CHUNK_UNITS) for name in ("v-min", "v-half", "v-zb")
+    )
     assert wall_bubble(v_min) == (4 * p - 7 if p % 3 == 0 else 4 * p - 5)
     assert max(peaks(v_min)) == (p + 4) // 3
     assert wall_bubble(v_half) == (3 * p - 7 if p % 2 == 0 else 3 * p - 4)
@@ -65,9 +68,11 @@ def test_published_offsets_are_reproduced_by_the_block():
 
 
 def test_v_min_bubble_repeats_with_m_and_v_half_does_not():
-    """With F=3, B=4, W=2 V-Min's stable phase itself has a bubble (it grows with m)."""
+    """With F=3, B=4, W=2 per chunk V-Min's stable phase itself has a bubble (it grows with m)."""
     grow = {
-        name: [wall_bubble(run(name, 4, m, costs="F=3,B=4,W=2")) for m in (8, 16, 32)]
+        name: [
+            wall_bubble(run(name, 4, m, costs=f"{CHUNK_UNITS},F=3,B=4,W=2")) for m in (8, 16, 32)
+        ]
         for name in ("v-min", "v-half")
     }
     assert grow["v-min"][0] < grow["v-min"][1] < grow["v-min"][2]
@@ -81,10 +86,13 @@ def test_zb_v_zero_bubble_at_1f1b_memory(p, m):
 
 
 def test_zb_v_beats_zb_h1_with_real_costs():
-    """Same model, same memory (p stashes): ZB-V's chunks are half a stage, so half the cost."""
-    zbv = run("zb-v", 8, 24, costs="F=1.5,B=2,W=1")
+    """Same model, same costs, same memory (p stashes): ZB-V's chunks are half a rank's share,
+    so each takes half the cost; per chunk op that is F=1.5, B=2, W=1."""
+    zbv = run("zb-v", 8, 24, costs="F=3,B=4,W=2")
     h1 = run("zb-h1", 8, 24, costs="F=3,B=4,W=2")
     assert zbv.sim.makespan < h1.sim.makespan and max(peaks(zbv)) <= 8
+    assert zbv.sim.makespan == run("zb-v", 8, 24, costs="per=chunk,F=1.5,B=2,W=1").sim.makespan
+    assert all(z.busy == h.busy for z, h in zip(zbv.sim.ranks, h1.sim.ranks))
 
 
 @pytest.mark.parametrize("name", ["v-min", "v-half", "v-zb", "zb-v", "v-adaptive"])

@@ -119,5 +119,5 @@ def test_zb_auto_bad_input(costs, limit, message):
 def test_zb_v_with_uneven_chunk_costs_keeps_1f1b_memory():
     """Per-chunk costs (a model's) can push the greedy warm-up over p stashes; zb-v then
     falls back to the order for the mean costs, which verifies and keeps p stashes."""
-    r = run("zb-v", 4, 8, costs="F=1:2:1:1:1:1:1:3,B=2,W=1")
+    r = run("zb-v", 4, 8, costs="per=chunk,F=1:2:1:1:1:1:1:3,B=2,W=1")
     assert max(peaks(r)) <= 4

@@ -204,6 +204,7 @@ def cost_model(
         mem_input=min(keep, 1.0),
         stash_bytes=tuple(float(b) for b in chunks.stash_bytes),
         topology=topology,
+        per="chunk",  # measured per chunk: not divided again
     )
 
 
