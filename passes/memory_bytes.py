@@ -5,7 +5,7 @@ each instruction, where the runtime's meter reads it (runtime/meter.py). At each
 holds, term by term (every figure a measured fact of the model, in bytes):
 
 - params: its stages' parameters (a chunk held by two stages counts twice);
-- optimizer: AdamW's state for them (`pipec.plan.memory.optimizer_bytes`), which exists from the
+- optimizer: AdamW's state for them (`optimizer_bytes`), which exists from the
   end of the first step on: the prediction is of a step after it;
 - grads: a stage's gradients, from its first backward op of the step (B, BW or W) to the
   optimizer step, which frees them (the runtime zeroes gradients to None);
@@ -41,12 +41,16 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from passes.costs import CostModel
 from passes.simulate import SimResult, activation_profile, measured_inputs, uses_recompute
 from pipec.ir import COMPUTE_OPS, RECV_OPS, Instr, Layout, Op
-from pipec.plan.memory import held_chunks, optimizer_bytes
+
+ADAMW_MOMENT_BYTES = 2 * 4
+"""AdamW's exp_avg and exp_avg_sq, each fp32, per parameter."""
+MASTER_COPY_BYTES = 4
+"""An fp32 master copy per parameter, kept when parameters are stored below 4 bytes."""
 
 #: Bytes per element of the dtypes a stage boundary carries (plan.json names them).
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
@@ -70,6 +74,35 @@ POST_AHEAD: dict[str, int | None] = {"gloo": None, "nccl": 0}
 def post_ahead(backend: str) -> int | None:
     """The runtime's receive policy on `backend` (see `post_points`)."""
     return POST_AHEAD.get(backend, 0)
+
+
+#: The backend the runtime runs on each device type.
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def for_device(facts: ByteFacts, device: str) -> tuple[ByteFacts, int | None]:
+    """`facts` as the meter of a run on `device` ("cpu" or "cuda") sees them, and where that
+    run posts its receives (`post_points`). On CPU (gloo) every term counts, with each posted
+    receive's host bytes. On CUDA (NCCL) host bytes are not device bytes, and W holds the
+    simulator's share (the measure of what W holds runs the model on the host)."""
+    if device == "cpu":
+        facts = replace(facts, recv_host=GLOO_RECV_HOST_BYTES)
+    else:
+        facts = replace(facts, host=(), w_held=(), recv_host=0.0)
+    return facts, post_ahead(BACKENDS.get(device, "nccl"))
+
+
+def optimizer_bytes(params: int, param_bytes: int) -> int:
+    """AdamW's state for `params` parameters stored in `param_bytes` bytes: two fp32 moments
+    each, plus an fp32 master copy below fp32 (Megatron-LM's mixed-precision recipe; no ZeRO
+    sharding across data-parallel copies)."""
+    master = MASTER_COPY_BYTES if param_bytes < 4 * params else 0
+    return params * (ADAMW_MOMENT_BYTES + master)
+
+
+def held_chunks(layout: Layout, rank: int) -> list[int]:
+    """The chunk of every stage `rank` holds (a chunk held by two stages appears twice)."""
+    return [layout.stage_chunk[s] for s in layout.stages_of_rank(rank)]
 
 
 def post_points(program: Sequence[Instr], ahead: int | None) -> dict[int, list[int]]:
@@ -154,6 +187,37 @@ class RankBytes:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"total": self.total}
 
 
+@dataclass(frozen=True)
+class Samples:
+    """One rank's bytes after each instruction of its program: the terms that change during
+    the step (`series`, by RankBytes's names) beside the constant `params` and `optimizer`;
+    `profile` is the simulator's stash bytes in them (its live and held stashes at their
+    chunks' stash bytes), the part of the `stash` and `held` terms that eviction moves."""
+
+    params: int
+    optimizer: int
+    series: dict[str, list[float]]
+    profile: list[float]
+
+    def varying(self) -> list[float]:
+        """Bytes after each instruction, less the constant parameters and optimizer state."""
+        return [sum(v[k] for v in self.series.values()) for k in range(len(self.profile))]
+
+    def peak(self) -> RankBytes:
+        """The highest sample, by term (the first where several tie)."""
+        n = len(self.profile)
+        totals = self.varying()
+        at = max(range(n), key=totals.__getitem__) if n else 0
+        terms = {t: round(v[at]) if n else 0 for t, v in self.series.items()}
+        return RankBytes(self.params, self.optimizer, after=at, **terms)
+
+    def unmovable(self) -> float:
+        """The most bytes the rank holds beside the simulator's stashes at any sample: what a
+        stash limit cannot lower (weights, gradients, buffers, kept outputs, host records)."""
+        beside = (t - s for t, s in zip(self.varying(), self.profile))
+        return self.params + self.optimizer + max(beside, default=0.0)
+
+
 def sample_times(program: Sequence[Instr], slots: Sequence) -> list[float]:
     """Simulated time of each instruction's end: a compute op's slot end, any other op the
     end of the compute op before it (0 before the first)."""
@@ -187,17 +251,17 @@ class _Ledger:
         return out
 
 
-def predict_peaks(
+def rank_samples(
     layout: Layout,
     programs: Sequence[Sequence[Instr]],
     costs: CostModel,
     sim: SimResult,
     facts: ByteFacts,
     post_ahead: int | None,
-) -> tuple[RankBytes, ...]:
-    """Every rank's peak real bytes (see the module doc) for programs simulated as `sim`
-    under `costs`, whose `stash_bytes` (and `input_bytes` with recompute) price the stashes;
-    `post_ahead` is the runtime's receive policy (`post_points`)."""
+) -> list[Samples]:
+    """Every rank's bytes by term after each instruction (see the module doc) for programs
+    simulated as `sim` under `costs`, whose `stash_bytes` (and `input_bytes` with recompute)
+    price the stashes; `post_ahead` is the runtime's receive policy (`post_points`)."""
     recompute = uses_recompute(programs)
     chunk_of = layout.stage_chunk
     moved = costs.input_bytes if recompute else costs.stash_bytes  # what one stash move carries
@@ -228,7 +292,7 @@ def predict_peaks(
         done += costs.transfer_time(r, recv[0], size)
         book.hold("buffers", k_made, released(r, k_send, done), nbytes)
 
-    peaks = []
+    samples = []
     for r, prog in enumerate(programs):
         n, idx = len(prog), index[r]
         book = _Ledger(n)
@@ -289,11 +353,20 @@ def predict_peaks(
         profile = activation_profile(prog, layout, costs, recompute, per_stash, by_chunk)
         series = {t: book.series(t) for t in book.diff}
         series["stash"] = [a + b - h for a, b, h in zip(series["stash"], profile, series["held"])]
-        totals = [sum(series[t][k] for t in series) for k in range(n)]
-        at = max(range(n), key=totals.__getitem__) if n else 0
         held = held_chunks(layout, r)
         params = sum(facts.param_bytes[ch] for ch in held)
         optimizer = sum(optimizer_bytes(facts.params[ch], facts.param_bytes[ch]) for ch in held)
-        terms = {t: round(series[t][at]) if n else 0 for t in series}
-        peaks.append(RankBytes(params, optimizer, after=at, **terms))
-    return tuple(peaks)
+        samples.append(Samples(params, optimizer, series, profile))
+    return samples
+
+
+def predict_peaks(
+    layout: Layout,
+    programs: Sequence[Sequence[Instr]],
+    costs: CostModel,
+    sim: SimResult,
+    facts: ByteFacts,
+    post_ahead: int | None,
+) -> tuple[RankBytes, ...]:
+    """Every rank's peak real bytes (see the module doc and `rank_samples`)."""
+    return tuple(s.peak() for s in rank_samples(layout, programs, costs, sim, facts, post_ahead))
