@@ -55,6 +55,8 @@ MASTER_COPY_BYTES = 4
 #: Bytes per element of the dtypes a stage boundary carries (plan.json names them).
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 _BACKWARDS = (Op.B, Op.BW)
+#: Relative tolerance within which two simulated times are the same (`rank_samples`).
+TIE = 1e-9
 #: Instructions that allocate stash bytes (a new stash, a stash buffer to receive into). Before
 #: one of them the runtime waits for its rank's stash moves out to complete (runtime/offload.py).
 ALLOCATES = frozenset({Op.F, Op.RECOMPUTE, Op.LOAD, Op.ACCEPT})
@@ -282,10 +284,15 @@ def rank_samples(
     def backward_of(r: int, stage: int, mb: int) -> int:
         return next(index[r][(op, stage, mb)] for op in _BACKWARDS if (op, stage, mb) in index[r])
 
+    # Simulated times that tie (a transfer ends as the op waiting for it starts) can differ
+    # in their last bits when the costs are in other units (a plan's seconds, a build's ms):
+    # a time within TIE of the makespan is taken as reached.
+    tie = TIE * sim.makespan
+
     def released(r: int, k: int, done: float) -> int:
         """The first sample of rank r after instruction k that ends at or after `done`; the
         optimizer step's drain (the last instruction) at the latest."""
-        return min(bisect_left(times[r], done, lo=k + 1), len(times[r]) - 1)
+        return min(bisect_left(times[r], done - tie, lo=k + 1), len(times[r]) - 1)
 
     def sent(r: int, k_made: int, k_send: int, recv: tuple[int, Op, int, int], nbytes: float):
         done = max(times[r][k_send], posted_at.get(recv, 0.0))
