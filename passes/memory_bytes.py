@@ -34,6 +34,12 @@ holds, term by term (every figure a measured fact of the model, in bytes):
 Not modelled: the working memory inside an instruction (the meter samples between them), a
 tensor shared by two terms (an output a later op of the same stage saves counts twice), the
 micro-batches' token ids and targets (kilobytes).
+
+`for_device` says which terms a device's meter sees and where its backend posts receives.
+`rank_samples` gives every sample by term; `predict_peaks` the highest. Two callers, one
+prediction: `pipec show` (runtime/measure.py, facts from a build's stages) and `pipec plan`
+(pipec/plan/memory.py, facts from the profile's blocks, which also derives an eviction limit
+from what a stash limit cannot lower, `Samples.unmovable`).
 """
 
 from __future__ import annotations
