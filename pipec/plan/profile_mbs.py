@@ -12,10 +12,9 @@ times F, B and W of every block with the runtime's B/W split (the frontend's pro
 `runs` rounds and keeps each op's fastest, measures each block's stash and the bytes of its
 boundary (any number of values), and on CPU what a micro-batch holds beside its stash
 (autograd's host records, what B leaves for W: the terms the CPU meter sees; measured at the
-first size, `_extras_of`). It stops early
-when the next size would not fit in the time budget or in the device's free memory (or runs
-out of it). MFU needs the device's peak: `--peak-tflops`, or a large matrix multiplication
-timed here.
+first size, `_extras_of`). It stops early when the next size would not fit in the time budget
+or in the device's free memory (or runs out of it). MFU needs the device's peak:
+`--peak-tflops`, or a large matrix multiplication timed here.
 """
 
 from __future__ import annotations
@@ -64,6 +63,14 @@ def resize(ms: ModelSpec, mbs: int) -> tuple[tuple[Tensor, ...], Tensor]:
     return tuple(inputs), target
 
 
+@dataclass(frozen=True)
+class Sized:
+    """A model spec whose example micro-batch has the size being profiled, and its blocks."""
+
+    spec: ModelSpec
+    blocks: list[torch.nn.Module]
+
+
 def at_size(spec: str, ms: ModelSpec, sized: bool, mbs: int, n_blocks: int) -> Sized:
     """The model's blocks and one micro-batch of `mbs` samples: the factory's own model and
     micro-batch at that size where it takes the keyword (`sized`), else `ms` with its example
@@ -80,14 +87,6 @@ def at_size(spec: str, ms: ModelSpec, sized: bool, mbs: int, n_blocks: int) -> S
     except FrontendError as e:
         raise PipecError(str(e)) from None
     return Sized(at, blocks)
-
-
-@dataclass(frozen=True)
-class Sized:
-    """A model spec whose example micro-batch has the size being profiled, and its blocks."""
-
-    spec: ModelSpec
-    blocks: list[torch.nn.Module]
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
@@ -326,9 +325,9 @@ def _optimizer_step(block: torch.nn.Module, runs: int) -> float:
 
 
 def _activation_bytes(point: MbsPoint) -> int:
-    """What profiling a size holds at once: every boundary, and the largest block's stashes
-    (`2 · EXTRAS_HELD` of them while its extras are measured)."""
-    return sum(point.input_bytes) + 2 * EXTRAS_HELD * max(point.stash_bytes)
+    """What profiling a size holds at once: every boundary, and the largest block stash (the
+    extras, which hold more, are measured at the first size only)."""
+    return sum(point.input_bytes) + max(point.stash_bytes)
 
 
 def _free_bytes(device: torch.device) -> int:
