@@ -13,7 +13,7 @@ checks, as issue 9 asks:
 - the measured iteration times (median over rounds of each turn's median) come in the
   predicted order;
 - each predicted time is within 25% of the measured median (the spread over rounds printed);
-- each rank's predicted peak stash bytes are within 10% of the runtime's measured peak.
+- each rank's predicted peak bytes are within 10% of the real peak the runtime's meter measured.
 
 Micro-batch size: the tiny GPT's factory takes it (`micro_batch_size`), and each build
 records the candidate's, which the runtime asks the factory for.
@@ -95,15 +95,15 @@ def run_worker(p: int, *args: str) -> None:
 
 
 def read_measured(out: Path, round_: int) -> tuple[float, list[int]]:
-    """(iteration seconds, per-rank peak stash bytes) of one turn of the build in `out`.
+    """(iteration seconds, per-rank real peak bytes) of one turn of the build in `out`.
 
     The runtime's stats (runtime/measure.py): per kept step (the turn's first, a warm-up, left
     out) the iteration time in ms, the slowest rank's wall time from a common barrier; per
-    rank the peak stash bytes its saved-tensor hooks saw, over all steps so far.
+    rank the real peak bytes its meter read over the kept steps (runtime/meter.py).
     """
     stats = json.loads((out / "measured" / f"stats_round{round_}.json").read_text())
     per_step = [s["iteration_ms"] / 1e3 for s in stats["per_step"]]
-    return statistics.median(per_step), [int(r["peak_stash_bytes"]) for r in stats["ranks"]]
+    return statistics.median(per_step), [int(r["real_peak_bytes"]) for r in stats["ranks"]]
 
 
 def check_p(p: int, args: argparse.Namespace, tmp: Path) -> bool:
@@ -125,25 +125,25 @@ def check_p(p: int, args: argparse.Namespace, tmp: Path) -> bool:
         return False
     run_worker(p, str(args.rounds), str(args.steps), *map(str, builds))
     times: list[list[float]] = [[] for _ in chosen]
-    stash: list[list[int]] = [[] for _ in chosen]
+    real: list[list[int]] = [[] for _ in chosen]
     for k, out in enumerate(builds):
         for r in range(args.rounds):
-            t, stash[k] = read_measured(out, r)
+            t, real[k] = read_measured(out, r)
             times[k].append(t)
-    return report(chosen, times, stash)
+    return report(chosen, times, real)
 
 
-def report(chosen: list[Evaluated], times: list[list[float]], stash: list[list[int]]) -> bool:
+def report(chosen: list[Evaluated], times: list[list[float]], real: list[list[int]]) -> bool:
     ok = True
     medians = [statistics.median(t) for t in times]
     print(
         f"  {'candidate':<28} {'predicted':>10} {'measured':>10} {'spread':>7} {'error':>7}  "
-        "stash error per rank"
+        "peak bytes error per rank"
     )
-    for ev, t, med, meas_stash in zip(chosen, times, medians, stash):
+    for ev, t, med, measured in zip(chosen, times, medians, real):
         error = ev.iteration_s / med - 1
         spread = (max(t) - min(t)) / med
-        mem = [r.stash / m - 1 for r, m in zip(ev.memory, meas_stash)]
+        mem = [r.total / m - 1 for r, m in zip(ev.memory, measured)]
         ok &= abs(error) <= TIME_TOLERANCE and all(abs(e) <= MEMORY_TOLERANCE for e in mem)
         name = f"{ev.schedule} {ev.strategy} mbs {ev.mbs}"
         print(

@@ -5,7 +5,7 @@ each instruction, where the runtime's meter reads it (runtime/meter.py). At each
 holds, term by term (every figure a measured fact of the model, in bytes):
 
 - params: its stages' parameters (a chunk held by two stages counts twice);
-- optimizer: AdamW's state for them (`pipec.plan.memory.optimizer_bytes`), which exists from the
+- optimizer: AdamW's state for them (`optimizer_bytes`), which exists from the
   end of the first step on: the prediction is of a step after it;
 - grads: a stage's gradients, from its first backward op of the step (B, BW or W) to the
   optimizer step, which frees them (the runtime zeroes gradients to None);
@@ -34,6 +34,12 @@ holds, term by term (every figure a measured fact of the model, in bytes):
 Not modelled: the working memory inside an instruction (the meter samples between them), a
 tensor shared by two terms (an output a later op of the same stage saves counts twice), the
 micro-batches' token ids and targets (kilobytes).
+
+`for_device` says which terms a device's meter sees and where its backend posts receives.
+`rank_samples` gives every sample by term; `predict_peaks` the highest. Two callers, one
+prediction: `pipec show` (runtime/measure.py, facts from a build's stages) and `pipec plan`
+(pipec/plan/memory.py, facts from the profile's blocks, which also derives an eviction limit
+from what a stash limit cannot lower, `Samples.unmovable`).
 """
 
 from __future__ import annotations
@@ -41,16 +47,22 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from passes.costs import CostModel
 from passes.simulate import SimResult, activation_profile, measured_inputs, uses_recompute
 from pipec.ir import COMPUTE_OPS, RECV_OPS, Instr, Layout, Op
-from pipec.plan.memory import held_chunks, optimizer_bytes
+
+ADAMW_MOMENT_BYTES = 2 * 4
+"""AdamW's exp_avg and exp_avg_sq, each fp32, per parameter."""
+MASTER_COPY_BYTES = 4
+"""An fp32 master copy per parameter, kept when parameters are stored below 4 bytes."""
 
 #: Bytes per element of the dtypes a stage boundary carries (plan.json names them).
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 _BACKWARDS = (Op.B, Op.BW)
+#: Relative tolerance within which two simulated times are the same (`rank_samples`).
+TIE = 1e-9
 #: Instructions that allocate stash bytes (a new stash, a stash buffer to receive into). Before
 #: one of them the runtime waits for its rank's stash moves out to complete (runtime/offload.py).
 ALLOCATES = frozenset({Op.F, Op.RECOMPUTE, Op.LOAD, Op.ACCEPT})
@@ -70,6 +82,38 @@ POST_AHEAD: dict[str, int | None] = {"gloo": None, "nccl": 0}
 def post_ahead(backend: str) -> int | None:
     """The runtime's receive policy on `backend` (see `post_points`)."""
     return POST_AHEAD.get(backend, 0)
+
+
+#: The backend the runtime runs on each device type.
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def for_device(
+    facts: ByteFacts, device: str, backend: str | None = None
+) -> tuple[ByteFacts, int | None]:
+    """`facts` as the meter of a run on `device` ("cpu" or "cuda") sees them, and where that
+    run posts its receives (`post_points`) on `backend` (default: the device's; gloo on CUDA is
+    `launch.py --share-gpu`). On CPU every term counts, with each posted gloo receive's host
+    bytes. On CUDA host bytes are not device bytes, and W holds the simulator's share (the
+    measure of what W holds runs the model on the host)."""
+    if device == "cpu":
+        facts = replace(facts, recv_host=GLOO_RECV_HOST_BYTES)
+    else:
+        facts = replace(facts, host=(), w_held=(), recv_host=0.0)
+    return facts, post_ahead(backend or BACKENDS.get(device, "nccl"))
+
+
+def optimizer_bytes(params: int, param_bytes: int) -> int:
+    """AdamW's state for `params` parameters stored in `param_bytes` bytes: two fp32 moments
+    each, plus an fp32 master copy below fp32 (Megatron-LM's mixed-precision recipe; no ZeRO
+    sharding across data-parallel copies)."""
+    master = MASTER_COPY_BYTES if param_bytes < 4 * params else 0
+    return params * (ADAMW_MOMENT_BYTES + master)
+
+
+def held_chunks(layout: Layout, rank: int) -> list[int]:
+    """The chunk of every stage `rank` holds (a chunk held by two stages appears twice)."""
+    return [layout.stage_chunk[s] for s in layout.stages_of_rank(rank)]
 
 
 def post_points(program: Sequence[Instr], ahead: int | None) -> dict[int, list[int]]:
@@ -154,6 +198,37 @@ class RankBytes:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"total": self.total}
 
 
+@dataclass(frozen=True)
+class Samples:
+    """One rank's bytes after each instruction of its program: the terms that change during
+    the step (`series`, by RankBytes's names) beside the constant `params` and `optimizer`;
+    `profile` is the simulator's stash bytes in them (its live and held stashes at their
+    chunks' stash bytes), the part of the `stash` and `held` terms that eviction moves."""
+
+    params: int
+    optimizer: int
+    series: dict[str, list[float]]
+    profile: list[float]
+
+    def varying(self) -> list[float]:
+        """Bytes after each instruction, less the constant parameters and optimizer state."""
+        return [sum(v[k] for v in self.series.values()) for k in range(len(self.profile))]
+
+    def peak(self) -> RankBytes:
+        """The highest sample, by term (the first where several tie)."""
+        n = len(self.profile)
+        totals = self.varying()
+        at = max(range(n), key=totals.__getitem__) if n else 0
+        terms = {t: round(v[at]) if n else 0 for t, v in self.series.items()}
+        return RankBytes(self.params, self.optimizer, after=at, **terms)
+
+    def unmovable(self) -> float:
+        """The most bytes the rank holds beside the simulator's stashes at any sample: what a
+        stash limit cannot lower (weights, gradients, buffers, kept outputs, host records)."""
+        beside = (t - s for t, s in zip(self.varying(), self.profile))
+        return self.params + self.optimizer + max(beside, default=0.0)
+
+
 def sample_times(program: Sequence[Instr], slots: Sequence) -> list[float]:
     """Simulated time of each instruction's end: a compute op's slot end, any other op the
     end of the compute op before it (0 before the first)."""
@@ -187,17 +262,17 @@ class _Ledger:
         return out
 
 
-def predict_peaks(
+def rank_samples(
     layout: Layout,
     programs: Sequence[Sequence[Instr]],
     costs: CostModel,
     sim: SimResult,
     facts: ByteFacts,
     post_ahead: int | None,
-) -> tuple[RankBytes, ...]:
-    """Every rank's peak real bytes (see the module doc) for programs simulated as `sim`
-    under `costs`, whose `stash_bytes` (and `input_bytes` with recompute) price the stashes;
-    `post_ahead` is the runtime's receive policy (`post_points`)."""
+) -> list[Samples]:
+    """Every rank's bytes by term after each instruction (see the module doc) for programs
+    simulated as `sim` under `costs`, whose `stash_bytes` (and `input_bytes` with recompute)
+    price the stashes; `post_ahead` is the runtime's receive policy (`post_points`)."""
     recompute = uses_recompute(programs)
     chunk_of = layout.stage_chunk
     moved = costs.input_bytes if recompute else costs.stash_bytes  # what one stash move carries
@@ -218,17 +293,22 @@ def predict_peaks(
     def backward_of(r: int, stage: int, mb: int) -> int:
         return next(index[r][(op, stage, mb)] for op in _BACKWARDS if (op, stage, mb) in index[r])
 
+    # Simulated times that tie (a transfer ends as the op waiting for it starts) can differ
+    # in their last bits when the costs are in other units (a plan's seconds, a build's ms):
+    # a time within TIE of the makespan is taken as reached.
+    tie = TIE * sim.makespan
+
     def released(r: int, k: int, done: float) -> int:
         """The first sample of rank r after instruction k that ends at or after `done`; the
         optimizer step's drain (the last instruction) at the latest."""
-        return min(bisect_left(times[r], done, lo=k + 1), len(times[r]) - 1)
+        return min(bisect_left(times[r], done - tie, lo=k + 1), len(times[r]) - 1)
 
     def sent(r: int, k_made: int, k_send: int, recv: tuple[int, Op, int, int], nbytes: float):
         done = max(times[r][k_send], posted_at.get(recv, 0.0))
         done += costs.transfer_time(r, recv[0], size)
         book.hold("buffers", k_made, released(r, k_send, done), nbytes)
 
-    peaks = []
+    samples = []
     for r, prog in enumerate(programs):
         n, idx = len(prog), index[r]
         book = _Ledger(n)
@@ -289,11 +369,20 @@ def predict_peaks(
         profile = activation_profile(prog, layout, costs, recompute, per_stash, by_chunk)
         series = {t: book.series(t) for t in book.diff}
         series["stash"] = [a + b - h for a, b, h in zip(series["stash"], profile, series["held"])]
-        totals = [sum(series[t][k] for t in series) for k in range(n)]
-        at = max(range(n), key=totals.__getitem__) if n else 0
         held = held_chunks(layout, r)
         params = sum(facts.param_bytes[ch] for ch in held)
         optimizer = sum(optimizer_bytes(facts.params[ch], facts.param_bytes[ch]) for ch in held)
-        terms = {t: round(series[t][at]) if n else 0 for t in series}
-        peaks.append(RankBytes(params, optimizer, after=at, **terms))
-    return tuple(peaks)
+        samples.append(Samples(params, optimizer, series, profile))
+    return samples
+
+
+def predict_peaks(
+    layout: Layout,
+    programs: Sequence[Sequence[Instr]],
+    costs: CostModel,
+    sim: SimResult,
+    facts: ByteFacts,
+    post_ahead: int | None,
+) -> tuple[RankBytes, ...]:
+    """Every rank's peak real bytes (see the module doc and `rank_samples`)."""
+    return tuple(s.peak() for s in rank_samples(layout, programs, costs, sim, facts, post_ahead))

@@ -738,7 +738,7 @@ def _plan_builds(
     req = plan.request
     saved = save(SavedProfile(plan.profile, req.comm_s, req.machine), save_profile)
     if not as_json:
-        click.echo(render_text(plan, top))
+        click.echo(render_text(plan, top, (1, pick) if out is not None else (1,)))
         click.echo(f"profile saved to {saved} (pipec compile --plan-profile builds from it)")
     built = None
     if out is not None:

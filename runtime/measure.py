@@ -29,13 +29,7 @@ from pathlib import Path
 
 from codegen.render import chrome_trace, dump_json
 from passes.costs import CostModel
-from passes.memory_bytes import (
-    GLOO_RECV_HOST_BYTES,
-    ByteFacts,
-    RankBytes,
-    post_ahead,
-    predict_peaks,
-)
+from passes.memory_bytes import ByteFacts, RankBytes, for_device, predict_peaks
 from passes.simulate import SimResult, Slot
 from pipec.ir import COMPUTE_OPS, Compiled, Instr, Op
 from runtime.interpreter import StepTrace
@@ -168,9 +162,9 @@ def predicted_peaks(
     if device == "cpu":
         split = any(i.op in (Op.B, Op.W) for program in compiled.programs for i in program)
         extras = stash_extras(plan, split)
-        facts = ByteFacts.from_plan(plan, extras.host, extras.w_held, GLOO_RECV_HOST_BYTES)
-    backend = backend or ("gloo" if device == "cpu" else "nccl")
-    return predict_peaks(compiled.layout, compiled.programs, costs, sim, facts, post_ahead(backend))
+        facts = ByteFacts.from_plan(plan, extras.host, extras.w_held)
+    facts, ahead = for_device(facts, device, backend)
+    return predict_peaks(compiled.layout, compiled.programs, costs, sim, facts, ahead)
 
 
 def memory_rows(peaks: tuple[RankBytes, ...], stats: dict | None) -> list[dict]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -121,15 +121,58 @@ class StashExtras:
     w_held: tuple[int, ...]
 
 
-def stash_extras(plan: dict, split: bool, spec: str | None = None, held: int = 8) -> StashExtras:
-    """Run each chunk's forward as the runtime runs it (its floating inputs as leaves, the loss
-    on the last chunk, the B/W split's Linear when `split`): `held` forwards first, kept alive,
-    then `held` more, whose heap growth per forward, less the chunk's stash bytes and the output
-    kept, is `host` (the first batch takes what glibc's thread cache held, freed chunks it
-    counts as in use, which would otherwise hide part of the growth); then B of one of them,
-    and what its W still needs is `w_held`."""
-    from pipec.frontend import build_stages, load_factory
+def module_extras(
+    module: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    loss: Callable[[object], torch.Tensor] | None,
+    stash_bytes: float,
+    split: bool,
+    held: int = 8,
+) -> tuple[int, int]:
+    """What one micro-batch of `module` (a stage, or a block of one) holds on `inputs` beyond
+    its `stash_bytes`, run as the runtime runs it: each forward on inputs of its own (a
+    received activation is a new tensor every micro-batch; shared ones would hide the input
+    bytes a stash saves), its floating inputs as leaves, `loss` on the output of the last
+    stage, the B/W split's Linear when `split` (the module is rewritten in place). `held`
+    forwards first, kept alive, then `held` more, whose heap growth per forward, less the
+    stash bytes and the output kept, is the host bytes (the first batch takes what glibc's
+    thread cache held, freed chunks it counts as in use, which would otherwise hide part of
+    the growth); then B of one of them, and what its W still needs (0 without the split).
+    Returns (host, w_held)."""
     from runtime import bwsplit
+
+    if split:
+        bwsplit.split_backward(module)
+
+    def forward() -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        leaves = tuple(x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs)
+        y = module(*leaves)
+        if loss is not None:
+            y = loss(y)
+        return leaves, (y,) if torch.is_tensor(y) else tuple(y)
+
+    gc.collect()
+    kept = [forward() for _ in range(held)]
+    before = heap_bytes()
+    kept += [forward() for _ in range(held)]
+    per = (heap_bytes() - before) / held
+    output = tensors_nbytes(list(kept[-1][1])) if loss is None else 0
+    host = max(0, round(per - stash_bytes - output))
+    w_held = 0
+    if split:
+        leaves, ys = kept.pop()
+        outputs = [y for y in ys if y.requires_grad]
+        grads = None if loss is not None else [torch.ones_like(y) for y in outputs]
+        bwsplit.B(module, 0, outputs, grads, leaves)
+        w_held = bwsplit.held_bytes(module, 0)
+        bwsplit.W(module, 0)
+    return host, w_held
+
+
+def stash_extras(plan: dict, split: bool, spec: str | None = None, held: int = 8) -> StashExtras:
+    """`module_extras` of each of the plan's stages on the factory's example micro-batch
+    (`w_held` empty without `split`)."""
+    from pipec.frontend import build_stages, load_factory
 
     model = plan["model"]
     n = len(model["stages"])
@@ -139,33 +182,11 @@ def stash_extras(plan: dict, split: bool, spec: str | None = None, held: int = 8
     inputs: tuple[torch.Tensor, ...] = tuple(ms.example_inputs)
     host, w_held = [], []
     for c, module in enumerate(modules):
-        if split:
-            bwsplit.split_backward(module)
-        leaves = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in inputs)
-
-        def forward(
-            c: int = c, module: nn.Module = module, leaves: tuple = leaves
-        ) -> tuple[torch.Tensor, ...]:
-            y = module(*leaves)
-            if c == n - 1:
-                y = ms.loss_fn(y, ms.example_target)
-            return (y,) if torch.is_tensor(y) else tuple(y)
-
-        gc.collect()
-        kept = [forward() for _ in range(held)]
-        before = heap_bytes()
-        kept += [forward() for _ in range(held)]
-        per = (heap_bytes() - before) / held
-        output = tensors_nbytes(list(kept[-1])) if c < n - 1 else 0
-        host.append(max(0, round(per - stash[c] - output)))
-        if split:
-            outputs = kept.pop()
-            grads = None if c == n - 1 else [torch.ones_like(y) for y in outputs]
-            bwsplit.B(module, 0, outputs, grads, leaves)
-            w_held.append(bwsplit.held_bytes(module, 0))
-            bwsplit.W(module, 0)
-        del kept
+        loss = (lambda y: ms.loss_fn(y, ms.example_target)) if c == n - 1 else None
+        h, w = module_extras(module, inputs, loss, stash[c], split, held)
+        host.append(h)
+        w_held.append(w)
         with torch.no_grad():
             y = module(*inputs)
         inputs = (y,) if torch.is_tensor(y) else tuple(y)
-    return StashExtras(tuple(host), tuple(w_held))
+    return StashExtras(tuple(host), tuple(w_held) if split else ())

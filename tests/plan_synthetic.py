@@ -1,7 +1,9 @@
 """Synthetic model profiles for the planner's tests: MFU curves injected, nothing profiled.
 
 Eight equal blocks; per sample each block does 1 MFLOP of F, B and W and stashes 1000 bytes
-(its input: 1/16 of that); a block holds 1000 fp32 parameters. Times follow from the MFU curve.
+(its input, a message of floats: 1/16 of that); a block holds 1000 fp32 parameters. Times
+follow from the MFU curve. Memory is predicted as for a GPU run (`device="cuda"`): receives
+posted in place (NCCL), no host records.
 """
 
 from collections.abc import Callable
@@ -16,7 +18,9 @@ PARAMS = 1000
 FLOPS = FBW(1e6, 1e6, 1e6)
 
 
-def synthetic_profile(mfu: Callable[[int], float], sizes=(1, 2, 4, 8, 16)) -> ModelProfile:
+def synthetic_profile(
+    mfu: Callable[[int], float], sizes=(1, 2, 4, 8, 16), device: str = "cuda"
+) -> ModelProfile:
     """A profile whose device MFU at micro-batch size n is `mfu(n)`."""
     blocks = tuple(BlockFacts(PARAMS, 4 * PARAMS, FLOPS) for _ in range(N_BLOCKS))
     points = []
@@ -30,6 +34,7 @@ def synthetic_profile(mfu: Callable[[int], float], sizes=(1, 2, 4, 8, 16)) -> Mo
                 ),
                 stash_bytes=(STASH_PER_SAMPLE * n,) * N_BLOCKS,
                 input_bytes=(INPUT_PER_SAMPLE * n,) * N_BLOCKS,
+                message_bytes=(INPUT_PER_SAMPLE * n,) * N_BLOCKS,
             )
         )
-    return ModelProfile("synthetic", blocks, tuple(points), 128, PEAK, "test")
+    return ModelProfile("synthetic", blocks, tuple(points), 128, PEAK, "test", device=device)

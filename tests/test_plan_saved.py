@@ -14,6 +14,7 @@ import pytest
 from plan_synthetic import synthetic_profile
 from test_cli import cli_run
 
+from passes.memory_bytes import for_device, predict_peaks
 from passes.simulate import simulate
 from pipec.build_dir import load
 from pipec.compile import compile_schedule
@@ -22,11 +23,12 @@ from pipec.plan import saved as saved_mod
 from pipec.plan.build import command_line
 from pipec.plan.candidates import PlanRequest, evaluate_one
 from pipec.plan.driver import machine, plan_profile
+from pipec.plan.memory import byte_facts
 from pipec.plan.saved import SavedProfile
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT}/examples/gpt.py:tiny"
-P, BATCH, BUDGET = 4, 64, 80_000
+P, BATCH, BUDGET = 4, 64, 85_000  # eviction unlocks mbs 8 (test_plan_candidates.py)
 LINKS = "intra=1e9:1e-5,inter=1e8:1e-4"
 
 
@@ -70,7 +72,8 @@ def test_a_saved_profile_reads_back_equal(tmp_path, plans):
     [
         ("{", "not JSON"),
         ('{"format": "other"}', "not a profile `pipec plan` wrote"),
-        ('{"format": "pipec.plan_profile/1", "comm_s": 0}', "corrupted (KeyError"),
+        ('{"format": "pipec.plan_profile/2", "comm_s": 0}', "corrupted (KeyError"),
+        ('{"format": "pipec.plan_profile/1"}', "written by another version of pipec plan"),
     ],
 )
 def test_a_bad_profile_file_is_one_line(tmp_path, text, message):
@@ -112,8 +115,14 @@ def test_the_command_line_builds_the_programs_the_plan_simulated(
         job.schedule, job.p, job.m, job.v, ev.costs, job.memory_limit, **dict(job.options)
     )
     assert build.compiled.programs == simulated.compiled.programs
+    # Priced in ms rather than seconds, the build simulates and predicts as the plan did.
     sim = simulate(build.compiled.layout, build.compiled.programs, build.costs)
-    assert [r.peak_stash_bytes for r in sim.ranks] == [m.stash for m in ev.memory]
+    assert [r.peak_stash_bytes for r in sim.ranks] == [
+        r.peak_stash_bytes for r in simulated.sim.ranks
+    ]
+    facts, ahead = for_device(byte_facts(ev.chunks), plan.profile.device)
+    c = build.compiled
+    assert predict_peaks(c.layout, c.programs, build.costs, sim, facts, ahead) == ev.memory
     model = build.plan["model"]
     assert model["micro_batch_size"] == ev.mbs
     assert model["partition"]["blocks_per_stage"] == list(ev.chunks.counts)

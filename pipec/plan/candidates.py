@@ -14,13 +14,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from passes.costs import CostModel
+from passes.memory_bytes import RankBytes, Samples, held_chunks
 from passes.registry import SCHEDULES, Request, build_schedule, family
 from passes.simulate import SimResult
 from passes.topology import Link, Topology
 from pipec.compile import CompileResult, compile_schedule
 from pipec.ir import Layout, Op, PipecError
 from pipec.plan.facts import Chunks, ModelProfile
-from pipec.plan.memory import RankMemory, held_chunks, rank_memory, static_memory
+from pipec.plan.memory import predicted, stash_limit
 
 RECOMPUTE_SUFFIX = "-r"
 """A family `X-r` registered beside `X` is X with full recomputation (1f1b-r)."""
@@ -69,7 +70,8 @@ class PlanRequest:
 @dataclass(frozen=True)
 class Budget:
     """The memory a strategy may plan for: `stash_limit` is the most activation memory, in the
-    simulator's stash units, every rank can hold within the byte budget beside its weights."""
+    simulator's stash units, every rank can hold within the byte budget beside what eviction
+    cannot move (`pipec.plan.memory.stash_limit`)."""
 
     bytes_per_device: int
     stash_limit: float
@@ -133,7 +135,7 @@ def strategy_names(requested: Sequence[str] | None) -> list[str]:
 @dataclass(frozen=True)
 class Evaluated:
     """One compiled and simulated candidate: the request that compiles it (to reproduce it
-    with a model), its figures and per-rank memory."""
+    with a model), its figures and each rank's predicted peak bytes, by term."""
 
     family: str
     strategy: str
@@ -141,7 +143,7 @@ class Evaluated:
     request: CompileRequest
     iteration_s: float
     bubble: float
-    memory: tuple[RankMemory, ...]
+    memory: tuple[RankBytes, ...]
     costs: CostModel = field(repr=False, compare=False)
     chunks: Chunks = field(repr=False, compare=False)
 
@@ -208,18 +210,6 @@ def cost_model(
     )
 
 
-def stash_budget(layout: Layout, chunks: Chunks, bytes_per_device: int) -> float:
-    """The most stash units every rank can hold beside its weights, gradients and optimizer
-    state. A stage's stash weighs `layout.stash_share` units, so a unit of a chunk weighs its
-    stash bytes over that share; the rank's heaviest chunk prices the unit (conservative)."""
-    limits = []
-    for rank in range(layout.p):
-        static = static_memory(layout, chunks, rank).total
-        unit = max(chunks.stash_bytes[c] for c in held_chunks(layout, rank)) / layout.stash_share
-        limits.append((bytes_per_device - static) / unit)
-    return max(0.0, min(limits))
-
-
 def iteration_time(sim: SimResult, layout: Layout, chunks: Chunks) -> float:
     """The makespan, or later where a rank's optimizer step (measured per chunk; the runtime
     runs it after the rank's last op) ends after it: an iteration ends when the slowest rank
@@ -259,13 +249,14 @@ def _compile(job: CompileRequest, costs: CostModel) -> CompileResult:
 
 
 def _first_that_compiles(
-    jobs: Sequence[CompileRequest], costs: CostModel
+    jobs: Sequence[CompileRequest], costs: CostModel, done: dict[CompileRequest, CompileResult]
 ) -> tuple[CompileRequest, CompileResult]:
-    """The first of `jobs` that compiles, with its result; the first refusal if none does."""
+    """The first of `jobs` that compiles, with its result (from `done` where compiled
+    already); the first refusal if none does."""
     first: PipecError | None = None
     for job in jobs:
         try:
-            return job, _compile(job, costs)
+            return job, done[job] if job in done else _compile(job, costs)
         except PipecError as e:
             first = first or e
     assert first is not None
@@ -280,6 +271,7 @@ def _evaluated(
     result: CompileResult,
     chunks: Chunks,
     costs: CostModel,
+    samples: Sequence[Samples],
 ) -> Evaluated:
     layout = result.compiled.layout
     return Evaluated(
@@ -289,14 +281,15 @@ def _evaluated(
         job,
         iteration_time(result.sim, layout, chunks),
         result.sim.bubble,
-        rank_memory(layout, result.sim, chunks),
+        tuple(s.peak() for s in samples),
         costs,
         chunks,
     )
 
 
 def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
-    """Compile and simulate every candidate at every profiled micro-batch size."""
+    """Compile and simulate every candidate at every profiled micro-batch size; predict each
+    one's bytes per rank on the profiled device."""
     p, dp, bytes_per_device = req.p, req.dp, req.bytes_per_device
     schedules, strategies = schedule_names(req.schedules), strategy_names(req.strategies)
     out = Evaluation()
@@ -305,21 +298,27 @@ def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
         m = req.global_batch // (mbs * dp)
         for name in schedules:
             v = family(name).default_v
+            plain = CompileRequest(name, p, m, v)
             try:
                 layout, chunks, costs = price(
                     profile, name, Request(p, m, v), mbs, req.comm_s, req.machine
                 )
+                # The family's own programs: the plain row, and what the budget's limit is
+                # derived from (what eviction cannot move).
+                done = {plain: _compile(plain, costs)}
             except PipecError as e:
                 out.skipped += [Skipped(name, s, mbs, str(e)) for s in strategies]
                 continue
-            budget = Budget(bytes_per_device, stash_budget(layout, chunks, bytes_per_device))
+            unmoved = predicted(done[plain], chunks, profile.device)
+            limit = stash_limit(layout, costs.stash_bytes, unmoved, bytes_per_device)
+            budget = Budget(bytes_per_device, limit)
             for strategy in strategies:
-                jobs = STRATEGIES[strategy][1](CompileRequest(name, p, m, v), budget)
+                jobs = STRATEGIES[strategy][1](plain, budget)
                 if not jobs:
                     out.skipped.append(Skipped(name, strategy, mbs, "does not apply"))
                     continue
                 try:
-                    job, result = _first_that_compiles(jobs, costs)
+                    job, result = _first_that_compiles(jobs, costs, done)
                 except PipecError as e:
                     out.skipped.append(Skipped(name, strategy, mbs, str(e)))
                     continue
@@ -328,7 +327,8 @@ def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
                     out.skipped.append(Skipped(name, strategy, mbs, f"same as {seen[key]}"))
                     continue
                 seen[key] = f"{name} {strategy}"
-                ev = _evaluated(name, strategy, mbs, job, result, chunks, costs)
+                samples = unmoved if job == plain else predicted(result, chunks, profile.device)
+                ev = _evaluated(name, strategy, mbs, job, result, chunks, costs, samples)
                 (out.fits if ev.peak_bytes <= bytes_per_device else out.over).append(ev)
     out.fits.sort(key=lambda e: (e.iteration_s, e.peak_bytes))
     return out
@@ -347,7 +347,9 @@ def evaluate_one(
     if is_recompute_variant(name):
         name = name.removesuffix(RECOMPUTE_SUFFIX)
     _, chunks, costs = price(profile, name, Request(job.p, job.m, job.v), mbs, comm_s, machine)
-    return _evaluated(name, strategy_of(job), mbs, job, _compile(job, costs), chunks, costs)
+    result = _compile(job, costs)
+    samples = predicted(result, chunks, profile.device)
+    return _evaluated(name, strategy_of(job), mbs, job, result, chunks, costs, samples)
 
 
 def strategy_of(job: CompileRequest) -> str:

@@ -51,15 +51,24 @@ class MbsPoint:
 
     seconds: F, B, W (B/W split as the runtime splits them); stash_bytes: what autograd keeps
     from F to the backward; input_bytes: the block's received inputs (what a recomputing stage
-    keeps instead); fused_backward: seconds of the backward in one pass, the runtime's BW
-    (empty: B + W, as for synthetic profiles).
+    keeps instead); message_bytes: the floating values among them, what a stage boundary
+    before the block sends (and its gradient brings back); fused_backward: seconds of the
+    backward in one pass, the runtime's BW (empty: B + W, as for synthetic profiles);
+    host_bytes: what the CPU meter sees a live stash hold beyond its tensors (autograd's
+    records of the graph) with the B/W split, fused_host_bytes without it (a BW schedule's
+    native Linears); w_held_bytes: what B leaves for W (the Linear inputs and output
+    gradients). The last three are measured on CPU only (empty: not counted, as on a GPU).
     """
 
     mbs: int
     seconds: tuple[FBW, ...]
     stash_bytes: tuple[int, ...]
     input_bytes: tuple[int, ...]
+    message_bytes: tuple[int, ...]
     fused_backward: tuple[float, ...] = ()
+    host_bytes: tuple[int, ...] = ()
+    fused_host_bytes: tuple[int, ...] = ()
+    w_held_bytes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,19 +81,29 @@ class Chunks:
     input_bytes: tuple[int, ...]
     params: tuple[int, ...]
     param_bytes: tuple[int, ...]
+    message_bytes: tuple[int, ...] = ()
+    """Bytes of each chunk's output message (its activation sent on; 0 for the last)."""
     fused_backward: tuple[float, ...] = ()
     """Seconds of each chunk's backward in one pass (BW); empty: B + W."""
     optimizer_s: tuple[float, ...] = ()
     """Seconds of each chunk's AdamW step; empty: not measured."""
+    host_bytes: tuple[int, ...] = ()
+    """Per chunk, autograd's host bytes per live stash (a CPU profile; empty: not counted)."""
+    fused_host_bytes: tuple[int, ...] = ()
+    """The same without the B/W split (a schedule that runs BW only)."""
+    w_held_bytes: tuple[int, ...] = ()
+    """Per chunk, what B leaves for W (a CPU profile; empty: W frees the simulator's share)."""
 
     def fused(self) -> Chunks:
         """These chunks as a schedule without separate W prices them: it only ever runs BW,
-        which the cost model times as B + W, so B and W are scaled to sum to the fused time."""
+        which the cost model times as B + W, so B and W are scaled to sum to the fused time;
+        its stashes hold the host bytes of native Linears, and nothing waits for W."""
+        chunks = replace(self, host_bytes=self.fused_host_bytes, w_held_bytes=())
         if not self.fused_backward:
-            return self
+            return chunks
         scale = [bw / (c.B + c.W) for bw, c in zip(self.fused_backward, self.seconds)]
         seconds = tuple(FBW(c.F, c.B * k, c.W * k) for c, k in zip(self.seconds, scale))
-        return replace(self, seconds=seconds)
+        return replace(chunks, seconds=seconds)
 
 
 @dataclass(frozen=True)
@@ -106,6 +125,9 @@ class ModelProfile:
     factory_sized: bool = False
     """Each size's micro-batch came from the factory's `micro_batch_size` keyword (else the
     one example micro-batch, sliced or repeated)."""
+    device: str = "cpu"
+    """The device type profiled ("cpu" or "cuda"): the one the plan's memory is predicted for
+    (its meter, its backend's receive policy)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -118,7 +140,11 @@ class ModelProfile:
                 tuple(FBW.from_json(s) for s in p["seconds"]),
                 tuple(p["stash_bytes"]),
                 tuple(p["input_bytes"]),
+                tuple(p["message_bytes"]),
                 tuple(p["fused_backward"]),
+                tuple(p["host_bytes"]),
+                tuple(p["fused_host_bytes"]),
+                tuple(p["w_held_bytes"]),
             )
 
         blocks = tuple(
@@ -164,8 +190,9 @@ class ModelProfile:
     def chunks(self, n_chunks: int, mbs: int) -> Chunks:
         """Per-chunk seconds and bytes at `mbs`: sums over the chunk's blocks.
 
-        A chunk's received input is its first block's; a block boundary inside a chunk is
-        stashed by the block that consumes it, so summed stashes count it once.
+        A chunk's received input is its first block's, its output message the next chunk's
+        first block's; a block boundary inside a chunk is stashed by the block that consumes
+        it, so summed stashes count it once. Host bytes and W's hold add up over blocks.
         """
         counts = self.partition(n_chunks)
         pt = self.point(mbs)
@@ -185,6 +212,10 @@ class ModelProfile:
             input_bytes=tuple(pt.input_bytes[a] for a in starts),
             params=total([b.params for b in self.blocks]),
             param_bytes=total([b.param_bytes for b in self.blocks]),
+            message_bytes=tuple(pt.message_bytes[a] for a in starts[1:]) + (0,),
             fused_backward=total(pt.fused_backward) if pt.fused_backward else (),
             optimizer_s=total([b.optimizer_s for b in self.blocks]),
+            host_bytes=total(pt.host_bytes) if pt.host_bytes else (),
+            fused_host_bytes=total(pt.fused_host_bytes) if pt.fused_host_bytes else (),
+            w_held_bytes=total(pt.w_held_bytes) if pt.w_held_bytes else (),
         )

@@ -1,34 +1,38 @@
-"""Per-rank peak memory of a candidate, in bytes: what is counted and under which assumptions.
+"""Per-rank peak memory of a candidate, in real bytes, and the eviction limit a budget implies.
 
-Counted, per rank, over every stage the rank holds (a replica held twice counts twice):
-- parameters: the measured parameter bytes of the stage's chunk (a tied parameter counts in
-  each stage holding it, as the runtime holds it there);
-- gradients: one gradient per parameter, in the parameters' dtype;
-- optimizer state: AdamW's two moments in fp32 (8 bytes per parameter), plus an fp32 master
-  copy (4 bytes per parameter) when the parameters are stored in a lower precision — the
-  mixed-precision recipe of Megatron-LM; no ZeRO sharding across data-parallel copies;
-- stashes: the simulator's peak of the rank program replayed with each chunk's measured stash
-  bytes at the candidate's micro-batch size (`CostModel.stash_bytes`). Recompute keeps the
-  chunk's measured input bytes instead, and evicted stashes count on the acceptor that holds
-  them (the simulator's memory rules, whatever ops the program has).
+A candidate's peak is the runtime's own prediction (`passes/memory_bytes.py`, the figure
+`pipec show` puts beside a run's measured peak) on the programs the plan compiled and
+simulated, every term priced from the plan's profile at the candidate's micro-batch size
+(`byte_facts`): parameters, gradients and AdamW's state from each chunk's measured parameters;
+stashes at each chunk's measured stash bytes (input bytes when recomputed); each message and
+each kept stage output at the floating bytes of the chunk's boundary; and on a CPU profile
+autograd's host records per live stash and what B leaves for W, measured per block. The
+prediction is for the profiled device (`for_device`): a CPU profile predicts a gloo run and
+its CPU meter, a CUDA profile an NCCL run and the caching allocator's count. A candidate fits
+when its highest rank's peak is at most the byte budget.
 
-Not counted: the working memory of the op in flight (its temporaries and the gradient being
-produced), communication buffers, the allocator's fragmentation and the framework's context.
+The budget becomes BPipe's limit (`stash_limit`) in the stash units `pipec compile
+--memory-limit` takes, from the family's programs without eviction. Eviction moves stashes and
+nothing else; everything else a rank holds stays where it is: weights, gradients, optimizer
+state, message buffers, the stage outputs kept for the backward, host records. So per rank,
+the bytes a stash limit cannot lower are the highest, over the step, of the prediction less
+the simulator's stash bytes (`Samples.unmovable`), and the budget less those is what stashes
+may take. A unit of stash weighs the bytes of the heaviest stash that can live on the rank
+(its own chunks' and, as an acceptor, its BPipe partner's) over the units one stash counts.
+The limit is the smallest over the ranks. The compiled candidate's own prediction then decides
+whether it fits: a move in flight can still lift a rank above the bound for a moment.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
 
-from passes.simulate import SimResult
+from passes.mapping import mirror_pairs
+from passes.memory_bytes import ByteFacts, Samples, for_device, held_chunks, rank_samples
+from pipec.compile import CompileResult
 from pipec.ir import Layout, PipecError
 from pipec.plan.facts import Chunks
-
-ADAMW_MOMENT_BYTES = 2 * 4
-"""AdamW's exp_avg and exp_avg_sq, each fp32, per parameter."""
-MASTER_COPY_BYTES = 4
-"""An fp32 master copy per parameter, kept when parameters are stored below 4 bytes."""
 
 _UNITS = {
     "": 1,
@@ -60,53 +64,37 @@ def parse_bytes(text: str, what: str = "--memory-per-device") -> int:
     return int(value)
 
 
-@dataclass(frozen=True)
-class RankMemory:
-    """One rank's peak memory, in bytes, by what holds it."""
-
-    params: int
-    grads: int
-    optimizer: int
-    stash: int
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.stash
-
-    def to_json(self) -> dict[str, int]:
-        return {
-            "params": self.params,
-            "grads": self.grads,
-            "optimizer": self.optimizer,
-            "stash": self.stash,
-            "total": self.total,
-        }
-
-
-def optimizer_bytes(params: int, param_bytes: int) -> int:
-    """AdamW's state for `params` parameters stored in `param_bytes` bytes (see module doc)."""
-    master = MASTER_COPY_BYTES if param_bytes < 4 * params else 0
-    return params * (ADAMW_MOMENT_BYTES + master)
-
-
-def held_chunks(layout: Layout, rank: int) -> list[int]:
-    """The chunk of every stage `rank` holds (a chunk held by two stages appears twice)."""
-    return [layout.stage_chunk[s] for s in layout.stages_of_rank(rank)]
-
-
-def static_memory(layout: Layout, chunks: Chunks, rank: int) -> RankMemory:
-    """Parameters, gradients and optimizer state of `rank` (no stash)."""
-    held = held_chunks(layout, rank)
-    weights = sum(chunks.param_bytes[c] for c in held)
-    optimizer = sum(optimizer_bytes(chunks.params[c], chunks.param_bytes[c]) for c in held)
-    return RankMemory(weights, weights, optimizer, 0)
-
-
-def rank_memory(layout: Layout, sim: SimResult, chunks: Chunks) -> tuple[RankMemory, ...]:
-    """Every rank's peak memory: static bytes from `chunks`, stash bytes the simulator's own
-    peak (`sim` of programs compiled with `chunks.stash_bytes` in the cost model), so that the
-    plan and `pipec compile`/the runtime's comparison count memory one way."""
-    return tuple(
-        replace(static_memory(layout, chunks, r), stash=round(s.peak_stash_bytes or 0))
-        for r, s in enumerate(sim.ranks)
+def byte_facts(chunks: Chunks) -> ByteFacts:
+    """The prediction's per-chunk facts, from the profile's chunks."""
+    return ByteFacts(
+        chunks.params,
+        chunks.param_bytes,
+        tuple(float(b) for b in chunks.message_bytes),
+        tuple(float(b) for b in chunks.host_bytes),
+        tuple(float(b) for b in chunks.w_held_bytes),
     )
+
+
+def predicted(result: CompileResult, chunks: Chunks, device: str) -> list[Samples]:
+    """Every rank's bytes after each instruction of `result`'s programs, run on `device`."""
+    facts, ahead = for_device(byte_facts(chunks), device)
+    c = result.compiled
+    return rank_samples(c.layout, c.programs, result.costs, result.sim, facts, ahead)
+
+
+def stash_limit(
+    layout: Layout, stash_bytes: Sequence[float], plain: Sequence[Samples], bytes_per_device: int
+) -> float:
+    """BPipe's limit, in stash units, that leaves every rank of the programs `plain` predicts
+    (the family's, without eviction) within `bytes_per_device` (see the module doc); 0 where
+    the bytes eviction cannot move already exceed it. One stash of a chunk counts
+    `layout.stash_share` units and weighs its `stash_bytes`."""
+    partner = {a: b for pair in mirror_pairs(layout) for a, b in (pair, pair[::-1])}
+    limits = []
+    for rank, samples in enumerate(plain):
+        here = held_chunks(layout, rank)
+        if rank in partner:
+            here += held_chunks(layout, partner[rank])
+        unit = max(stash_bytes[c] for c in here) / layout.stash_share
+        limits.append((bytes_per_device - samples.unmovable()) / unit)
+    return max(0.0, min(limits))

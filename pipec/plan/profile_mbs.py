@@ -7,10 +7,14 @@ every input and the target — so n below the example's size is a slice and n ab
 the example; dim 0 must be the batch dimension of all of them. Repeated samples cost what
 fresh ones would: nothing is cached.
 
-Each size times F, B and W of every block with the runtime's B/W split (the frontend's profiler)
-in `runs` rounds and keeps each op's fastest, measures each block's stash, and stops early when
-the next size would not fit in the time budget or in the device's free memory (or runs out of
-it). MFU needs the device's peak: `--peak-tflops`, or a large matrix multiplication timed here.
+Each size captures the blocks anew (torch.export specializes a graph to the example's sizes),
+times F, B and W of every block with the runtime's B/W split (the frontend's profiler) in
+`runs` rounds and keeps each op's fastest, measures each block's stash and the bytes of its
+boundary (any number of values), and on CPU what a micro-batch holds beside its stash
+(autograd's host records, what B leaves for W: the terms the CPU meter sees; measured at the
+first size, `_extras_of`). It stops early when the next size would not fit in the time budget
+or in the device's free memory (or runs out of it). MFU needs the device's peak:
+`--peak-tflops`, or a large matrix multiplication timed here.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from pipec.frontend import (
     FrontendError,
@@ -39,6 +45,8 @@ from pipec.plan.facts import FBW, BlockFacts, MbsPoint, ModelProfile
 
 MEMORY_HEADROOM = 0.5
 """Profile a size only while its activations take at most this share of free memory."""
+EXTRAS_HELD = 8
+"""Forwards held alive per batch when measuring a block's host bytes (`module_extras`)."""
 
 
 def resize(ms: ModelSpec, mbs: int) -> tuple[tuple[Tensor, ...], Tensor]:
@@ -55,19 +63,30 @@ def resize(ms: ModelSpec, mbs: int) -> tuple[tuple[Tensor, ...], Tensor]:
     return tuple(inputs), target
 
 
-def micro_batch(
-    spec: str, ms: ModelSpec, sized: bool, mbs: int
-) -> tuple[tuple[Tensor, ...], Tensor]:
-    """Inputs and target of `mbs` samples: the factory's own at that size where it takes the
-    keyword (`sized`; its model is dropped on return), else `ms`'s example resized."""
-    if not sized:
-        return resize(ms, mbs)
+@dataclass(frozen=True)
+class Sized:
+    """A model spec whose example micro-batch has the size being profiled, and its blocks."""
+
+    spec: ModelSpec
+    blocks: list[torch.nn.Module]
+
+
+def at_size(spec: str, ms: ModelSpec, sized: bool, mbs: int, n_blocks: int) -> Sized:
+    """The model's blocks and one micro-batch of `mbs` samples: the factory's own model and
+    micro-batch at that size where it takes the keyword (`sized`), else `ms` with its example
+    resized; on the device of `ms` (where `--device` moved it). The blocks are captured at
+    this size: torch.export bakes the example's sizes into the graph it captures."""
     try:
-        at = load_factory(spec, micro_batch_size=mbs)
+        if sized:
+            at = load_factory(spec, micro_batch_size=mbs)
+            at = on_device(at, str(ms.example_inputs[0].device))
+        else:
+            inputs, target = resize(ms, mbs)
+            at = replace(ms, example_inputs=inputs, example_target=target)
+        blocks = split_model(at, n_blocks, [1] * n_blocks)
     except FrontendError as e:
         raise PipecError(str(e)) from None
-    device = ms.example_inputs[0].device  # where `--device` moved the profiled model
-    return tuple(x.to(device) for x in at.example_inputs), at.example_target.to(device)
+    return Sized(at, blocks)
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
@@ -117,6 +136,7 @@ def profile_model(
     device = ms.example_inputs[0].device
     if device.type == "meta":
         raise PipecError(f"{spec} builds its model on the meta device; plan needs a runnable one")
+    host = device.type == "cpu"  # the CPU meter counts autograd's host records and W's hold
     example = ms.example_inputs[0].shape[0]
     block_facts = tuple(
         BlockFacts(
@@ -134,8 +154,8 @@ def profile_model(
         source = "--peak-tflops"
     label = "profiling F/B/W per micro-batch size"
     bar = ProgressBar(len(sizes), label, sys.stderr) if progress else None
-    # warm-up: first calls pay one-time set-up
-    _measure(ms, blocks, sizes[0], 1, micro_batch(spec, ms, sized, sizes[0]))
+    first = at_size(spec, ms, sized, sizes[0], n_blocks)
+    _measure(first, sizes[0], 1, extras=False)  # warm-up: first calls pay one-time set-up
     points: list[MbsPoint] = []
     stopped, start, last_dt = "", time.perf_counter(), 0.0
     for mbs in sizes:
@@ -147,10 +167,11 @@ def profile_model(
             elif _activation_bytes(points[-1]) * grow > MEMORY_HEADROOM * _free_bytes(device):
                 stopped = f"free memory before mbs {mbs}"
         if not stopped:
-            batch = micro_batch(spec, ms, sized, mbs)
             t0 = time.perf_counter()
             try:
-                points.append(_measure(ms, blocks, mbs, runs, batch))
+                sized_at = first if mbs == sizes[0] else at_size(spec, ms, sized, mbs, n_blocks)
+                point = _measure(sized_at, mbs, runs, extras=host and not points)
+                points.append(_extras_of(points[0], point) if host and points else point)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 stopped = f"out of memory at mbs {mbs}"
@@ -168,33 +189,31 @@ def profile_model(
         peak_source=source,
         stopped=stopped,
         factory_sized=sized,
+        device=device.type,
     )
 
 
-def _measure(
-    ms: ModelSpec,
-    blocks: list[torch.nn.Module],
-    mbs: int,
-    runs: int,
-    batch: tuple[tuple[Tensor, ...], Tensor],
-) -> MbsPoint:
-    """One size: every block's boundary input, stash bytes and fastest F/B/W seconds on
-    `batch`, `mbs` samples (`micro_batch`)."""
-    inputs, target = batch
-    boundaries = [inputs]
+def _measure(sized: Sized, mbs: int, runs: int, extras: bool) -> MbsPoint:
+    """One size: every block's boundary input, stash bytes and fastest F/B/W seconds on the
+    example micro-batch of `sized` (`mbs` samples); with `extras` (a CPU profile), what each
+    block's micro-batch holds beyond its stash (`module_extras`: autograd's host records, and
+    the tensors B leaves for W)."""
+    ms, blocks = sized.spec, sized.blocks
+    boundaries = [tuple(ms.example_inputs)]
     with torch.no_grad():
         for block in blocks[:-1]:
             y = block(*boundaries[-1])
             boundaries.append((y,) if isinstance(y, Tensor) else tuple(y))
 
     def loss(out: Tensor) -> Tensor:
-        return ms.loss_fn(out, target)
+        return ms.loss_fn(out, ms.example_target)
 
     last = len(blocks) - 1
     stash = tuple(
         measure_stash_bytes(b, x, loss if k == last else None)
         for k, (b, x) in enumerate(zip(blocks, boundaries))
     )
+    host, fused_host, w_held = _extras(blocks, boundaries, loss, stash) if extras else ((),) * 3
     # Rounds run every block once (the first is a warm-up), so a burst of load from other
     # processes hits one round of many blocks rather than every run of one; the fastest round
     # of each op is its cost on a device nobody shares.
@@ -211,8 +230,56 @@ def _measure(
         ),
         stash_bytes=stash,
         input_bytes=tuple(sum(t.untyped_storage().nbytes() for t in x) for x in boundaries),
+        message_bytes=tuple(message_bytes(x) for x in boundaries),
         fused_backward=tuple(min(r[k] for r in fused) for k in range(len(blocks))),
+        host_bytes=host,
+        fused_host_bytes=fused_host,
+        w_held_bytes=w_held,
     )
+
+
+def message_bytes(values: Sequence[Tensor]) -> int:
+    """Bytes of the floating values of a block boundary: what a stage boundary there sends
+    (and a gradient brings back), as the build's plan.json counts its stage outputs."""
+    return sum(t.numel() * t.element_size() for t in values if t.is_floating_point())
+
+
+def _extras_of(first: MbsPoint, point: MbsPoint) -> MbsPoint:
+    """`point` with the extras measured at the first size: autograd's host records are the
+    same at any batch size (nodes and tensor headers, not data), and what B leaves for W is
+    tensors of the batch, which grow with it. Measured once, they cost the sweep little."""
+    scale = point.mbs / first.mbs
+    w_held = tuple(round(w * scale) for w in first.w_held_bytes)
+    return replace(
+        point,
+        host_bytes=first.host_bytes,
+        fused_host_bytes=first.fused_host_bytes,
+        w_held_bytes=w_held,
+    )
+
+
+def _extras(
+    blocks: list[torch.nn.Module],
+    boundaries: list[tuple[Tensor, ...]],
+    loss: Callable[[Tensor], Tensor],
+    stash: Sequence[int],
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Per block, what one micro-batch holds beside its stash, as the runtime's prediction
+    measures a stage (`module_extras`): the host bytes with the B/W split and with native
+    Linears (a BW schedule's stages are not split), and what B leaves for W."""
+    from runtime.bwsplit import unsplit
+    from runtime.meter import module_extras
+
+    last = len(blocks) - 1
+    host, fused, w_held = [], [], []
+    for k, (block, x) in enumerate(zip(blocks, boundaries)):
+        score = loss if k == last else None
+        h, w = module_extras(block, x, score, stash[k], split=True, held=EXTRAS_HELD)
+        with unsplit(block, True):
+            fused.append(module_extras(block, x, score, stash[k], False, EXTRAS_HELD)[0])
+        host.append(h)
+        w_held.append(w)
+    return tuple(host), tuple(fused), tuple(w_held)
 
 
 def _fused_backward(
@@ -226,9 +293,13 @@ def _fused_backward(
     for k, (block, inputs) in enumerate(zip(blocks, boundaries)):
         leaves = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in inputs)
         y = block(*leaves)
-        y = loss(y) if k == last else y
+        if k == last:
+            outputs, grads = [loss(y)], None
+        else:  # a boundary may carry several values, some not differentiable (a mask)
+            outputs = [t for t in pytree.tree_leaves(y) if t.requires_grad]
+            grads = [torch.ones_like(t) for t in outputs]
         t0 = _now(leaves[0].device)
-        torch.autograd.backward(y, None if k == last else torch.ones_like(y))
+        torch.autograd.backward(outputs, grads)
         out.append(_now(leaves[0].device) - t0)
         for p in block.parameters():
             p.grad = None
@@ -254,7 +325,8 @@ def _optimizer_step(block: torch.nn.Module, runs: int) -> float:
 
 
 def _activation_bytes(point: MbsPoint) -> int:
-    """What profiling a size holds at once: every boundary, and the largest block stash."""
+    """What profiling a size holds at once: every boundary, and the largest block stash (the
+    extras, which hold more, are measured at the first size only)."""
     return sum(point.input_bytes) + max(point.stash_bytes)
 
 

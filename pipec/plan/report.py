@@ -3,15 +3,18 @@
 Each row puts the simulated speed-up over the baseline beside the paper's quick estimate,
 MFU(row's mbs) / MFU(baseline's mbs) from the single-device profile (Huang et al., 2024): what
 a larger micro-batch can gain at most from kernel efficiency alone. A memory-saving strategy
-whose bound is near 1 cannot pay, whatever memory it frees.
+whose bound is near 1 cannot pay, whatever memory it frees. Each row's memory is its highest
+rank's predicted peak; the chosen rows (row 1, and the row `--out` builds) are broken down per
+rank and term.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 
 from codegen.render import format_bytes
+from passes.memory_bytes import RankBytes
 from passes.topology import Link
 from pipec.plan.candidates import Evaluated
 from pipec.plan.driver import Plan
@@ -50,8 +53,9 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def render_text(plan: Plan, top: int = 10) -> str:
-    """The human-readable report."""
+def render_text(plan: Plan, top: int = 10, chosen: Sequence[int] = (1,)) -> str:
+    """The human-readable report; the rows numbered in `chosen` (1: the best) get their
+    predicted peak bytes per rank, by term."""
     prof, req = plan.profile, plan.request
     curve = "  ".join(f"{mbs}: {prof.mfu(mbs):.1%}" for mbs in prof.sizes)
     made = "the factory's" if prof.factory_sized else "the example resized"
@@ -85,6 +89,9 @@ def render_text(plan: Plan, top: int = 10) -> str:
     if len(table) > top:
         lines.append(f"      … {len(table) - top} more that fit (--top shows more)")
     evaluation = plan.evaluation
+    for k in sorted(set(chosen)):
+        if k <= len(table):
+            lines += ["", *_terms_table(k, table[k - 1].ev, plan.profile.device)]
     lines += ["", _baseline_line(plan), _verdict(table)]
     fits, over, skipped = evaluation.fits, evaluation.over, evaluation.skipped
     lines.append(
@@ -92,6 +99,25 @@ def render_text(plan: Plan, top: int = 10) -> str:
         "not applicable (--json lists them with the reason)"
     )
     return "\n".join(lines)
+
+
+TERMS = tuple(f.name for f in fields(RankBytes) if f.name != "after")
+"""A rank's predicted peak, term by term (passes/memory_bytes.py)."""
+RUN_ON = {"cpu": "a CPU run (gloo, its heap meter)", "cuda": "a CUDA run (NCCL, its allocator)"}
+
+
+def _terms_table(k: int, ev: Evaluated, device: str) -> list[str]:
+    """Row `k`'s predicted peak bytes per rank, by term, for a run on the profiled device."""
+    run = RUN_ON.get(device, f"a {device} run")
+    title = f"row {k} ({ev.schedule} {ev.strategy}, mbs {ev.mbs}): peak bytes per rank"
+    lines = [
+        f"{title} predicted for {run}, by term:",
+        f"  {'rank':>4}  {'peak':>10}  " + "  ".join(f"{t:>9}" for t in TERMS),
+    ]
+    for rank, mem in enumerate(ev.memory):
+        cells = "  ".join(f"{format_bytes(getattr(mem, t)):>9}" for t in TERMS)
+        lines.append(f"  {rank:>4}  {format_bytes(mem.total):>10}  {cells}")
+    return lines
 
 
 def _machine_line(plan: Plan) -> str:
@@ -152,7 +178,7 @@ def render_json(plan: Plan, command: Callable[[Evaluated], str] | None = None) -
             "iteration_s": e.iteration_s,
             "bubble": e.bubble,
             "peak_bytes": e.peak_bytes,
-            "memory": [r.to_json() for r in e.memory],
+            "memory": [{"rank": k} | r.to_json() for k, r in enumerate(e.memory)],
         }
 
     return {
@@ -163,6 +189,7 @@ def render_json(plan: Plan, command: Callable[[Evaluated], str] | None = None) -
         "memory_per_device": req.bytes_per_device,
         "comm_s": req.comm_s,
         "machine": req.machine.to_json() if req.machine else None,
+        "memory_device": prof.device,
         "peak_flops": prof.peak_flops,
         "peak_source": prof.peak_source,
         "tokens_per_sample": prof.tokens_per_sample,

@@ -19,7 +19,8 @@ from passes.topology import Topology
 from pipec.ir import PipecError
 from pipec.plan.facts import ModelProfile
 
-FORMAT = "pipec.plan_profile/1"
+FORMAT = "pipec.plan_profile/2"
+"""/2 added the bytes of each block's boundary and, on CPU, its host bytes and W's hold."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,13 @@ def load(path: Path) -> SavedProfile:
         raise PipecError(f"--plan-profile {path}: {e.strerror or e}") from None
     except ValueError as e:
         raise PipecError(f"--plan-profile {path}: not JSON ({e})") from None
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
+    written = d.get("format") if isinstance(d, dict) else None
+    if isinstance(written, str) and written.startswith("pipec.plan_profile/") and written != FORMAT:
+        raise PipecError(
+            f"--plan-profile {path}: written by another version of pipec plan ({written}, this "
+            f"one reads {FORMAT}); plan again to write it anew"
+        )
+    if written != FORMAT:
         raise PipecError(
             f"--plan-profile {path}: not a profile `pipec plan` wrote (format {FORMAT}); "
             "write one with pipec plan ... --save-profile FILE"
