@@ -170,14 +170,14 @@ def module_extras(
 
 
 def stash_extras(plan: dict, split: bool, spec: str | None = None, held: int = 8) -> StashExtras:
-    """`module_extras` of each of the plan's stages on the factory's example micro-batch
-    (`w_held` empty without `split`)."""
+    """`module_extras` of each of the plan's stages on the factory's example micro-batch at the
+    plan's size (torch.export fixes it in the stages' graphs; `w_held` empty without `split`)."""
     from pipec.frontend import build_stages, load_factory
 
     model = plan["model"]
     n = len(model["stages"])
     modules = build_stages(spec, model, list(range(n)))
-    ms = load_factory(spec or model["spec"], model["seed"])
+    ms = load_factory(spec or model["spec"], model["seed"], model.get("micro_batch_size"))
     stash = plan["costs"]["stash_bytes"]
     inputs: tuple[torch.Tensor, ...] = tuple(ms.example_inputs)
     host, w_held = [], []
