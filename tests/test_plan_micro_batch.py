@@ -6,6 +6,7 @@ stages asks the factory again; a factory that cannot give the size is one line n
 """
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,30 @@ def test_plan_out_of_a_row_the_factory_cannot_give_is_one_line(tmp_path, capsys,
     assert "takes no micro_batch_size keyword; micro-batches of 4 are needed" in errors[0]
     assert "(the example resized)" in captured.out
     assert not out.exists()
+
+
+def test_the_sweep_stops_before_a_size_that_would_overrun_the_time_budget():
+    from pipec.plan.profile_mbs import profile_model
+
+    profile = profile_model(GPT, [1, 2, 4], time_budget=0, runs=1, peak_flops=1e12, progress=False)
+    assert [pt.mbs for pt in profile.points] == [1]
+    assert profile.stopped == "time budget (0 s) before mbs 2"
+
+
+def test_the_one_time_extras_do_not_count_as_time_that_grows_with_the_size(monkeypatch):
+    """The first size also measures autograd's host records (once per sweep), made slow here:
+    extrapolating that from size 1 to size 2 as if it doubled would stop the sweep; the rule
+    counts only the timing runs as growing, and the capture once."""
+    from pipec.plan import profile_mbs
+
+    extras = profile_mbs._extras
+
+    def slow_extras(*args):  # type: ignore[no-untyped-def]
+        time.sleep(6)
+        return extras(*args)
+
+    monkeypatch.setattr(profile_mbs, "_extras", slow_extras)
+    profile = profile_mbs.profile_model(
+        GPT, [1, 2], time_budget=12.5, runs=1, peak_flops=1e12, progress=False
+    )
+    assert [pt.mbs for pt in profile.points] == [1, 2], profile.stopped

@@ -23,7 +23,7 @@ from pipec.frontend import load_factory
 from pipec.ir import PipecError
 from pipec.model import compile_model
 from pipec.provenance import resolve
-from runtime.torchrun import torchrun
+from runtime.torchrun import _Condense, torchrun
 from tests.runtime_launch import said_by_rank_0
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,10 +114,58 @@ def test_check_grads_fails_on_a_broken_program(tmp_path):
 def test_pipec_run_says_last_why_nothing_ran(build, tmp_path):
     run = pipec_run(build, "--backend", "nccl", cwd=tmp_path)
     assert run.returncode == 2
-    assert "ChildFailedError" in run.stderr  # torchrun's report is still there, above
+    assert "Traceback" not in run.stderr and "ChildFailedError" not in run.stderr
+    assert re.search(r"^torchrun: rank \d failed first, then rank \d$", run.stderr, re.MULTILINE)
     assert run.stderr.strip().splitlines()[-1] == (
         "pipec run: --backend nccl needs CUDA, and torch sees no GPU here; use gloo"
     )
+
+
+TORCHRUN_REPORT = """Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1032, in <module>
+    main()
+  File "/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in f
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n\
+============================================================
+build/launch.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 2)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 3 (local_rank: 3)
+  exitcode  : 2 (pid: 1)
+============================================================
+"""
+RANK_TRACEBACK = """Traceback (most recent call last):
+  File "build/launch.py", line 9, in <module>
+    main()
+ZeroDivisionError: division by zero
+"""
+
+
+def condensed(text: str, said: bool) -> str:
+    condense = _Condense()
+    return "".join(condense(line, said) for line in text.splitlines(True)) + condense.rest()
+
+
+def test_pipec_run_condenses_torchruns_report_once_a_rank_said_why():
+    """After a rank's `pipec runtime:` line, torchrun's traceback and table become one line;
+    a rank's own traceback, and torchrun's report when no rank said anything, pass whole."""
+    said = "pipec runtime: bad input\n"
+    assert condensed(said + TORCHRUN_REPORT, said=True) == (
+        said + "torchrun: rank 3 failed first, then rank 1\n"
+    )
+    assert condensed(TORCHRUN_REPORT, said=False) == TORCHRUN_REPORT
+    assert condensed(RANK_TRACEBACK + TORCHRUN_REPORT, said=True) == (
+        RANK_TRACEBACK + "torchrun: rank 3 failed first, then rank 1\n"
+    )
+    cut = 'Traceback (most recent call last):\n  File "x.py", line 1\n'
+    assert condensed(cut, said=True) == cut
 
 
 # -- one line, exit 2, before any communication ------------------------------------------------

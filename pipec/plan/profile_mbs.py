@@ -154,28 +154,34 @@ def profile_model(
         source = "--peak-tflops"
     label = "profiling F/B/W per micro-batch size"
     bar = ProgressBar(len(sizes), label, sys.stderr) if progress else None
+    t0 = time.perf_counter()
     first = at_size(spec, ms, sized, sizes[0], n_blocks)
+    capture_dt = time.perf_counter() - t0
     _measure(first, sizes[0], 1, extras=False)  # warm-up: first calls pay one-time set-up
     points: list[MbsPoint] = []
-    stopped, start, last_dt = "", time.perf_counter(), 0.0
+    stopped, start, work_dt = "", time.perf_counter(), 0.0
     for mbs in sizes:
-        if points:
+        if points and not stopped:
             grow = mbs / points[-1].mbs
             elapsed = time.perf_counter() - start
-            if elapsed + last_dt * grow > time_budget:
+            # A size's capture costs about the same at any size; its timing runs grow with it.
+            if elapsed + capture_dt + work_dt * grow > time_budget:
                 stopped = f"time budget ({time_budget:g} s) before mbs {mbs}"
             elif _activation_bytes(points[-1]) * grow > MEMORY_HEADROOM * _free_bytes(device):
                 stopped = f"free memory before mbs {mbs}"
         if not stopped:
             t0 = time.perf_counter()
             try:
-                sized_at = first if mbs == sizes[0] else at_size(spec, ms, sized, mbs, n_blocks)
-                point = _measure(sized_at, mbs, runs, extras=host and not points)
+                if mbs == sizes[0]:
+                    sized_at = first
+                else:
+                    sized_at = at_size(spec, ms, sized, mbs, n_blocks)
+                    capture_dt = time.perf_counter() - t0
+                point, work_dt = _measure(sized_at, mbs, runs, extras=host and not points)
                 points.append(_extras_of(points[0], point) if host and points else point)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 stopped = f"out of memory at mbs {mbs}"
-            last_dt = time.perf_counter() - t0
         if bar:
             bar.advance()
     if not points:
@@ -193,11 +199,13 @@ def profile_model(
     )
 
 
-def _measure(sized: Sized, mbs: int, runs: int, extras: bool) -> MbsPoint:
+def _measure(sized: Sized, mbs: int, runs: int, extras: bool) -> tuple[MbsPoint, float]:
     """One size: every block's boundary input, stash bytes and fastest F/B/W seconds on the
     example micro-batch of `sized` (`mbs` samples); with `extras` (a CPU profile), what each
     block's micro-batch holds beyond its stash (`module_extras`: autograd's host records, and
-    the tensors B leaves for W)."""
+    the tensors B leaves for W). Also the seconds it took less the extras', measured once: the
+    part of the sweep's time that grows with the size."""
+    t0 = time.perf_counter()
     ms, blocks = sized.spec, sized.blocks
     boundaries = [tuple(ms.example_inputs)]
     with torch.no_grad():
@@ -213,7 +221,9 @@ def _measure(sized: Sized, mbs: int, runs: int, extras: bool) -> MbsPoint:
         measure_stash_bytes(b, x, loss if k == last else None)
         for k, (b, x) in enumerate(zip(blocks, boundaries))
     )
+    t1 = time.perf_counter()
     host, fused_host, w_held = _extras(blocks, boundaries, loss, stash) if extras else ((),) * 3
+    t2 = time.perf_counter()
     # Rounds run every block once (the first is a warm-up), so a burst of load from other
     # processes hits one round of many blocks rather than every run of one; the fastest round
     # of each op is its cost on a device nobody shares.
@@ -222,7 +232,7 @@ def _measure(sized: Sized, mbs: int, runs: int, extras: bool) -> MbsPoint:
         for _ in range(runs + 1)
     ][1:]
     fused = [_fused_backward(blocks, boundaries, loss) for _ in range(runs + 1)][1:]
-    return MbsPoint(
+    point = MbsPoint(
         mbs=mbs,
         seconds=tuple(
             FBW(*(min(getattr(r[k], op) for r in rounds) for op in "FBW"))
@@ -236,6 +246,7 @@ def _measure(sized: Sized, mbs: int, runs: int, extras: bool) -> MbsPoint:
         fused_host_bytes=fused_host,
         w_held_bytes=w_held,
     )
+    return point, (t1 - t0) + (time.perf_counter() - t2)
 
 
 def message_bytes(values: Sequence[Tensor]) -> int:
