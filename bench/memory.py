@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipec.build_dir import emit, load
+from pipec.build_dir import emit
 from pipec.model import compile_model
 from runtime.measure import predicted_peaks
 from runtime.torchrun import torchrun
@@ -74,8 +74,9 @@ def peaks(models: list[str], steps: int, tmp: Path) -> None:
             build = tmp / f"{name}-{family}{'-evict' if evict else ''}"
             emit(result, build)
             stats = train(build, p, steps)
-            b = load(build)
-            predicted = predicted_peaks(b.plan, b.compiled, b.costs, result.sim, "cpu")
+            predicted = predicted_peaks(
+                result.plan, result.compiled, result.costs, result.sim, "cpu"
+            )
             real = [r["real_peak_bytes"] for r in stats["ranks"]]
             cells = (
                 f"{x.total / 2**20:.2f} / {y / 2**20:.2f} MiB ({y / x.total:.3f})"

@@ -16,6 +16,7 @@ from operator import itemgetter
 
 import jinja2
 
+from passes.memory_bytes import TERMS
 from passes.simulate import SimResult, Slot
 from passes.transfers import Transfer
 from pipec.ir import Layout, Op, Program
@@ -178,6 +179,7 @@ def render_svg(sim: SimResult, title: str, facts: ChartFacts) -> str:
     classes = _box_classes(layout)
     boxes, rows, strips, marks = [], [], [], []
     peak_all = max([r.peak_activations for r in sim.ranks] + [facts.memory_limit or 0.0])
+    strip_ys = [top + r * ROW_HEIGHT + BOX_HEIGHT + 2 for r in range(p)]
     for rank, slots in enumerate(sim.timeline):
         y = top + rank * ROW_HEIGHT
         if per_pixel:
@@ -186,12 +188,11 @@ def render_svg(sim: SimResult, title: str, facts: ChartFacts) -> str:
             boxes += _op_boxes(slots, y, BOX_HEIGHT, scale, classes)
         rows.append((f"rank {rank}", y + BOX_HEIGHT // 2 + 4))
         times, lives = facts.memory[rank]
-        strips.append(_strip(times, lives, y + BOX_HEIGHT + 2, scale, peak_all))
+        strips.append(_strip(times, lives, strip_ys[rank], scale, peak_all))
     if not per_pixel:
         for t in sim.transfers:  # on the evictor's strip: the rank whose stash moves
             rank = t.src if t.kind == "evict" else t.dst
-            y = top + rank * ROW_HEIGHT + BOX_HEIGHT + 2
-            marks.append(_transfer_mark(t, LEFT + t.start * scale, y))
+            marks.append(_transfer_mark(t, LEFT + t.start * scale, strip_ys[rank]))
     peaks = [
         (
             f"peak {r.peak_activations:.4g} stashes"
@@ -221,7 +222,7 @@ def render_svg(sim: SimResult, title: str, facts: ChartFacts) -> str:
             strip_x=LEFT,
             strip_w=f"{chart_w:.2f}",
             strip_h=STRIP_HEIGHT,
-            strip_ys=[top + r * ROW_HEIGHT + BOX_HEIGHT + 2 for r in range(p)],
+            strip_ys=strip_ys,
             limit_y=None if limit_y is None else f"{limit_y:.2f}",
             peaks=peaks,
             memory_x=int(SVG_WIDTH) + 4,
@@ -247,9 +248,8 @@ def _transfer_mark(t: Transfer, x: float, y: int) -> str:
     )
 
 
-def _box_classes(layout: Layout) -> dict[Op, list[str]]:
-    """Per op kind, each stage's box class: the kind, 'h' before it for the second direction
-    of a bidirectional schedule (hatched), ' cK' for the rank's K-th chunk (K > 0, lighter)."""
+def _chunks_and_directions(layout: Layout) -> tuple[dict[int, int], dict[int, int]]:
+    """Per stage, which of its rank's chunks it is in its direction, and that direction."""
     chunk, direction = {}, {}
     for d, pipeline in enumerate(layout.pipelines):
         seen: dict[int, int] = {}
@@ -257,6 +257,13 @@ def _box_classes(layout: Layout) -> dict[Op, list[str]]:
             r = layout.stage_rank[s]
             chunk[s], direction[s] = seen.get(r, 0), d
             seen[r] = chunk[s] + 1
+    return chunk, direction
+
+
+def _box_classes(layout: Layout) -> dict[Op, list[str]]:
+    """Per op kind, each stage's box class: the kind, 'h' before it for the second direction
+    of a bidirectional schedule (hatched), ' cK' for the rank's K-th chunk (K > 0, lighter)."""
+    chunk, direction = _chunks_and_directions(layout)
     stages = range(layout.n_stages)
     return {
         op: [
@@ -392,7 +399,7 @@ def _legend(
     items = [(k, f"{k} {_MEANING[k]}") for k in _MEANING if k in kinds]
     if not per_pixel:
         items.append(("", "number: micro-batch"))
-        v = max(_chunks_per_rank(layout), 1)
+        v = max(_chunks_and_directions(layout)[0].values(), default=0) + 1
         if v > 1:
             items += [("F", "chunk 0 of a rank: dark")]
             items += [(f"F c{min(c, 3)}", f"chunk {c}: lighter") for c in range(1, v)]
@@ -417,17 +424,6 @@ def _legend(
         out.append((cls, text, x, row_y))
         x += w
     return out, row_y + 10
-
-
-def _chunks_per_rank(layout: Layout) -> int:
-    """The most stages one rank holds in one direction."""
-    most = 0
-    for pipeline in layout.pipelines:
-        count: dict[int, int] = {}
-        for s in pipeline.stages:
-            count[layout.stage_rank[s]] = count.get(layout.stage_rank[s], 0) + 1
-        most = max([most, *count.values()])
-    return most
 
 
 def format_bytes(n: float) -> str:
@@ -506,11 +502,10 @@ def measured_table(stats: dict) -> str:
 def bytes_table(rows: Sequence[Mapping]) -> str:
     """Per rank, the predicted peak bytes (passes/memory_bytes.py), by term, beside the real
     peak a run measured and their ratio (`pipec show`'s memory table)."""
-    terms = ("params", "optimizer", "grads", "stash", "buffers", "held", "host")
     lines = [
         "peak bytes per rank, predicted (by term) vs measured real:",
         f"  {'rank':>4}  {'predicted':>10}  {'real':>10}  {'real/pred':>9}  "
-        + "  ".join(f"{t:>9}" for t in terms),
+        + "  ".join(f"{t:>9}" for t in TERMS),
     ]
     for row in rows:
         real = row.get("real_peak_bytes")
@@ -518,6 +513,6 @@ def bytes_table(rows: Sequence[Mapping]) -> str:
         lines.append(
             f"  {row['rank']:>4}  {format_bytes(row['predicted_peak_bytes']):>10}  "
             f"{format_bytes(real) if real is not None else '-':>10}  {ratio:>9}  "
-            + "  ".join(f"{format_bytes(row['predicted'][t]):>9}" for t in terms)
+            + "  ".join(f"{format_bytes(row['predicted'][t]):>9}" for t in TERMS)
         )
     return "\n".join(lines)

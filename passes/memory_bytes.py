@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 from passes.costs import CostModel
-from passes.simulate import SimResult, activation_profile, measured_inputs, uses_recompute
+from passes.simulate import SimResult, bytes_profile, uses_recompute
 from pipec.ir import COMPUTE_OPS, RECV_OPS, Instr, Layout, Op
 
 ADAMW_MOMENT_BYTES = 2 * 4
@@ -152,7 +152,7 @@ class ByteFacts:
 
     @staticmethod
     def from_plan(
-        plan: dict, host: Sequence[float] = (), w_held: Sequence[float] = (), recv_host: float = 0.0
+        plan: dict, host: Sequence[float] = (), w_held: Sequence[float] = ()
     ) -> ByteFacts:
         """From a build's plan.json: the frontend's per-chunk facts."""
         stages = plan["model"]["stages"]
@@ -172,7 +172,6 @@ class ByteFacts:
             message,
             tuple(host),
             tuple(w_held),
-            recv_host,
         )
 
 
@@ -192,10 +191,14 @@ class RankBytes:
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self) if f.name != "after")
+        return sum(getattr(self, t) for t in TERMS)
 
     def to_json(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"total": self.total}
+
+
+TERMS = tuple(f.name for f in fields(RankBytes) if f.name != "after")
+"""A rank's predicted peak, term by term: what `RankBytes.total` sums."""
 
 
 @dataclass(frozen=True)
@@ -276,8 +279,6 @@ def rank_samples(
     recompute = uses_recompute(programs)
     chunk_of = layout.stage_chunk
     moved = costs.input_bytes if recompute else costs.stash_bytes  # what one stash move carries
-    per_stash = [b / costs.mem_F for b in costs.stash_bytes]
-    by_chunk = measured_inputs(costs) if recompute else None
     times = [sample_times(prog, sim.timeline[r]) for r, prog in enumerate(programs)]
     index = [{(i.op, i.stage, i.mb): k for k, i in enumerate(prog)} for prog in programs]
     posts = [post_points(prog, post_ahead) for prog in programs]
@@ -366,7 +367,7 @@ def rank_samples(
                 book.hold("held", k, idx[(Op.RETURN, s, mb)], moved[c])
         for s, k in first_backward.items():
             book.hold("grads", k, step, facts.param_bytes[chunk_of[s]])
-        profile = activation_profile(prog, layout, costs, recompute, per_stash, by_chunk)
+        profile = bytes_profile(prog, layout, costs, recompute)
         series = {t: book.series(t) for t in book.diff}
         series["stash"] = [a + b - h for a, b, h in zip(series["stash"], profile, series["held"])]
         held = held_chunks(layout, r)

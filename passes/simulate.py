@@ -275,6 +275,16 @@ def activation_profile(
     return out
 
 
+def bytes_profile(
+    program: Sequence[Instr], layout: Layout, costs: CostModel, recompute: bool
+) -> list[float]:
+    """`activation_profile` in bytes: F adds mem_F stashes, which weigh the chunk's measured
+    stash bytes (its input bytes, with recompute, while a forward waits to be recomputed)."""
+    per_stash = [b / costs.mem_F for b in costs.stash_bytes]
+    by_chunk = measured_inputs(costs) if recompute else None
+    return activation_profile(program, layout, costs, recompute, per_stash, by_chunk)
+
+
 def measured_inputs(costs: CostModel) -> list[CostModel] | None:
     """One cost model per chunk whose `mem_input` is that chunk's measured input bytes as a
     share of its stash (a recomputed stage keeps its inputs), where the model gives them."""
@@ -303,7 +313,6 @@ def simulate(
     moves = Transfers(layout, costs, recompute)
     times, _, played_slots = played or play(layout, programs, costs, moves, overlap_as_one)
     synced = sync_times(layout, programs, times, costs)
-    by_chunk = measured_inputs(costs) if recompute else None
     timeline, ranks = [], []
     for r, prog in enumerate(programs):
         slots = tuple(played_slots[r])
@@ -312,10 +321,7 @@ def simulate(
         peak = max([0.0, *activation_profile(prog, layout, costs, recompute)])
         peak_bytes = None
         if costs.stash_bytes:
-            # F adds mem_F stashes, which weigh the chunk's measured stash bytes.
-            per_stash = [b / costs.mem_F for b in costs.stash_bytes]
-            profile = activation_profile(prog, layout, costs, recompute, per_stash, by_chunk)
-            peak_bytes = round(max([0.0, *profile]))
+            peak_bytes = round(max([0.0, *bytes_profile(prog, layout, costs, recompute)]))
         sync = max(0.0, synced[r] - (slots[-1].end if slots else 0.0))
         timeline.append(slots)
         ranks.append(RankStats(busy, span, peak, layout.params_of_rank(r), sync, peak_bytes))

@@ -37,7 +37,7 @@ from pipec.compile import PLAN_FORMAT, CompileResult, gc_paused, plan_hash
 from pipec.ir import FORMAT_VERSION, Compiled, Layout, PipecError, instruction_count
 from pipec.textform import Header, parse_program
 
-#: The files of every build besides its rank programs; MEASURED is written by a run.
+#: The files of every build besides its rank programs; a run adds the folder MEASURED.
 REPORTS = ("plan.json", "stats.json", "timeline.json", "schedule.svg")
 MEASURED = "measured"
 
@@ -63,7 +63,7 @@ def chart_facts(result: CompileResult) -> ChartFacts:
     c = result.compiled
     memory = stash_over_time(c.layout, c.programs, result.costs, result.sim)
     unit, note = time_unit(result.plan)
-    limit = None if result.plan.get("memory_limit_bytes") else result.plan.get("memory_limit")
+    limit = result.plan["memory_limit"]  # in stashes; None when given in bytes
     return ChartFacts(c.layout, memory, unit, note, limit)
 
 

@@ -140,10 +140,12 @@ def saved_step(path: Path) -> int:
     return int(state["step"])
 
 
-def check_fits(path: Path, model: nn.Module) -> None:
-    """Raise PipecError unless checkpoint `path` holds every entry of `model`'s state_dict
-    with its shape: a checkpoint of another model is refused before anything is loaded."""
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+def check_fits(path: Path, model: nn.Module, saved: dict | None = None) -> None:
+    """Raise PipecError unless checkpoint `path` (whose metadata `saved` is, when already read)
+    holds every entry of `model`'s state_dict with its shape: a checkpoint of another model is
+    refused before anything is loaded."""
+    if saved is None:
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     for name, t in model.state_dict().items():
         entry = saved.get(f"model.{name}")
         if not isinstance(entry, TensorStorageMetadata):
@@ -166,10 +168,9 @@ def load(
     path = Path(path)
     modules = list(modules)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state: dict[str, object] = {"step": 0}
     for module in modules:
-        check_fits(path, module)
-        state |= {f"model.{name}": t for name, t in module.state_dict().items()}
+        check_fits(path, module, saved)
+    state = {"step": 0} | state_dict(modules, None)
     moments = _optimizer_templates(saved, modules, optimizer) if optimizer is not None else {}
     for keys in moments.values():
         state |= keys

@@ -29,7 +29,7 @@ from passes.residency import NEEDS_MODEL
 from passes.simulate import SimResult
 from passes.topology import Topology, make_topology
 from pipec import __version__
-from pipec.build_dir import Build, check_build, check_out, emit, load, time_unit
+from pipec.build_dir import MEASURED, Build, check_build, check_out, emit, load, time_unit
 from pipec.compile import CompileResult, compile_schedule, gc_paused
 from pipec.footprint import check_fits
 from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
@@ -188,10 +188,14 @@ def _compile(
             "--mapping": mapping != "sequential",
             "a --memory-limit in bytes": in_bytes,
         }
-        clash = [flag for flag, value in given.items() if value]
+        if clash := [flag for flag, value in given.items() if value]:
+            raise PipecError(
+                f"--plan-profile prices the build as pipec plan did (its profile, its links); "
+                f"drop {', '.join(clash)}"
+            )
         return _compile_planned(
             plan_profile, model, schedule, pp, microbatches, chunks, memory_limit, evict, dp,
-            micro_batch_size, clash,
+            micro_batch_size,
         )  # fmt: skip
     cost_model = replace(cost_model, topology=make_topology(pp, nodes, gpus_per_node, link))
     if from_torch is not None:
@@ -244,18 +248,12 @@ def _compile_planned(
     evict: bool,
     dp: int,
     micro_batch_size: int | None,
-    clash: list[str],
 ) -> CompileResult:
     """`--plan-profile FILE`: the build `pipec plan` prices from FILE (see pipec/plan/build.py)."""
     from pipec.plan.build import compile_planned
     from pipec.plan.candidates import CompileRequest
     from pipec.plan.saved import load as load_saved
 
-    if clash:
-        raise PipecError(
-            f"--plan-profile prices the build as pipec plan did (its profile, its links); "
-            f"drop {', '.join(clash)}"
-        )
     if micro_batch_size is None:
         raise PipecError("--plan-profile needs --micro-batch-size: which profiled size to build")
     v = family(schedule).default_v if v is None else v
@@ -527,7 +525,7 @@ def show(directory: Path, lines: int, width: int, as_json: bool) -> None:
 
 
 def _measured(directory: Path) -> dict | None:
-    measured = directory / "measured" / "stats.json"
+    measured = directory / MEASURED / "stats.json"
     return json.loads(measured.read_text()) if measured.is_file() else None
 
 
@@ -679,7 +677,6 @@ def plan_cmd(
     **opts,
 ) -> None:
     """Profile MODEL at several micro-batch sizes; rank schedule × mbs × memory strategy."""
-    from pipec.build_dir import check_out
     from pipec.plan.candidates import PlanRequest
     from pipec.plan.driver import machine, plan_model
     from pipec.plan.memory import parse_bytes

@@ -50,11 +50,11 @@ def footprint(p: int, m: int, v: int) -> Footprint:
     )
 
 
-def check_fits(p: int, m: int, v: int, available: float | None = None) -> Footprint:
-    """The shape's footprint; PipecError when it needs more memory than is `available`
-    (default: what the system reports free now)."""
+def check_fits(p: int, m: int, v: int) -> Footprint:
+    """The shape's footprint; PipecError when it needs more memory than the system reports
+    free now."""
     need = footprint(p, m, v)
-    free = available_bytes() if available is None else available
+    free = available_bytes()
     if free is not None and need.bytes > free:
         raise PipecError(
             f"p={p} m={m} v={v} would need about {format_bytes(need.bytes)} to compile "

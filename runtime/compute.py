@@ -77,7 +77,7 @@ def forward(rt: Rank, instr: Instr) -> None:
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             outputs = _run(rt, s, mb, inputs, record=True)
         stash = Stash(inputs, outputs, saved, saved.nbytes)
-        if (s, mb) not in rt.evicted:  # an evicted stash needs its handles every step
+        if (s, mb) not in rt.evicted:  # an evicted stash needs its saved tensors every step
             rt.stash_sizes[(s, mb)] = saved.nbytes
     rt.stashes[(s, mb)] = stash
     rt.account(stash.nbytes)

@@ -42,12 +42,16 @@ def micro_batch(spec: ModelSpec, index: int, seed: int = 0) -> MicroBatch:
 
 
 class Synthetic:
-    """The same n synthetic micro-batches every step."""
+    """The same n synthetic micro-batches every step, made by the first `next`: only ranks
+    that read data (first and last stages) make and hold them."""
 
     def __init__(self, spec: ModelSpec, n: int, seed: int) -> None:
-        self.batches = [micro_batch(spec, i, seed) for i in range(n)]
+        self.spec, self.n, self.seed = spec, n, seed
+        self.batches: list[MicroBatch] | None = None
 
     def next(self) -> list[MicroBatch]:
+        if self.batches is None:
+            self.batches = [micro_batch(self.spec, i, self.seed) for i in range(self.n)]
         return self.batches
 
 
@@ -87,10 +91,8 @@ class Stream:
             ) from None
         inputs, target = self._check(batch)
         self.position += 1
-        return [
-            (tuple(x.chunk(self.n)[i] for x in inputs), target.chunk(self.n)[i])
-            for i in range(self.n)
-        ]
+        pieces = [x.chunk(self.n) for x in inputs]
+        return list(zip(zip(*pieces), target.chunk(self.n)))
 
     def _check(self, batch: object) -> tuple[tuple[Tensor, ...], Tensor]:
         """The batch as (inputs tuple, target), its shapes and dtypes those the plan needs."""

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from codegen.render import measured_table
 from passes.simulate import simulate
 from pipec import checkpoint
-from pipec.build_dir import Build, check_build, load, title
+from pipec.build_dir import MEASURED, Build, check_build, load, title
 from pipec.frontend import FrontendError, load_factory
 from pipec.ir import Op, PipecError
 from pipec.provenance import check_model, resolve
@@ -398,5 +398,5 @@ def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:
     source = build.plan["model"]["cost"]["source"]
     # The backend decides where receives are posted, which the memory prediction follows.
     stats = summarize(reports, sim, source, skip) | {"backend": dist.get_backend()}
-    write(build.path / "measured", stats, timeline(reports, title(build)))
+    write(build.path / MEASURED, stats, timeline(reports, title(build)))
     print(measured_table(stats), flush=True)

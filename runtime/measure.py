@@ -31,7 +31,7 @@ from codegen.render import chrome_trace, dump_json
 from passes.costs import CostModel
 from passes.memory_bytes import ByteFacts, RankBytes, for_device, predict_peaks
 from passes.simulate import SimResult, Slot
-from pipec.ir import COMPUTE_OPS, Compiled, Instr, Op
+from pipec.ir import COMPUTE_OPS, Compiled, Instr, Op, op_kinds
 from runtime.interpreter import StepTrace
 from runtime.meter import stash_extras
 
@@ -158,11 +158,11 @@ def predicted_peaks(
     counts each posted gloo receive's host bytes. On CUDA
     none of these: host bytes are not device bytes, and building the whole model on the host
     is what a GPU run avoids; W then holds the simulator's share."""
-    facts = ByteFacts.from_plan(plan)
     if device == "cpu":
-        split = any(i.op in (Op.B, Op.W) for program in compiled.programs for i in program)
-        extras = stash_extras(plan, split)
+        extras = stash_extras(plan, bool({Op.B, Op.W} & op_kinds(compiled.programs)))
         facts = ByteFacts.from_plan(plan, extras.host, extras.w_held)
+    else:
+        facts = ByteFacts.from_plan(plan)
     facts, ahead = for_device(facts, device, backend)
     return predict_peaks(compiled.layout, compiled.programs, costs, sim, facts, ahead)
 

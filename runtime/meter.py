@@ -169,21 +169,21 @@ def module_extras(
     return host, w_held
 
 
-def stash_extras(plan: dict, split: bool, spec: str | None = None, held: int = 8) -> StashExtras:
+def stash_extras(plan: dict, split: bool) -> StashExtras:
     """`module_extras` of each of the plan's stages on the factory's example micro-batch at the
     plan's size (torch.export fixes it in the stages' graphs; `w_held` empty without `split`)."""
     from pipec.frontend import build_stages, load_factory
 
     model = plan["model"]
     n = len(model["stages"])
-    modules = build_stages(spec, model, list(range(n)))
-    ms = load_factory(spec or model["spec"], model["seed"], model.get("micro_batch_size"))
+    modules = build_stages(None, model, list(range(n)))
+    ms = load_factory(model["spec"], model["seed"], model.get("micro_batch_size"))
     stash = plan["costs"]["stash_bytes"]
     inputs: tuple[torch.Tensor, ...] = tuple(ms.example_inputs)
     host, w_held = [], []
     for c, module in enumerate(modules):
         loss = (lambda y: ms.loss_fn(y, ms.example_target)) if c == n - 1 else None
-        h, w = module_extras(module, inputs, loss, stash[c], split, held)
+        h, w = module_extras(module, inputs, loss, stash[c], split)
         host.append(h)
         w_held.append(w)
         with torch.no_grad():

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipec.ir import Instr, Op
+from passes.simulate import uses_recompute
+from pipec.ir import Instr
 from runtime.p2p import Kind
 from runtime.stash import SavedTensors, Stash, storage_key
 
@@ -46,8 +47,7 @@ def buffer_bytes(rt: Rank, stage: int, mb: int) -> int:
     """Bytes of (stage, mb)'s flat stash buffer, from the plan: what the evictor packs and the
     acceptor allocates, without a message saying it."""
     chunk = rt.layout.stage_chunk[stage]
-    evictor = rt.build.compiled.programs[rt.layout.stage_rank[stage]]
-    recomputed = Instr(Op.RECOMPUTE, stage, mb) in evictor
+    recomputed = uses_recompute(rt.build.compiled.programs)  # all of a build's stages or none
     facts = rt.build.costs.input_bytes if recomputed else rt.build.costs.stash_bytes
     return int(facts[chunk])
 

@@ -71,11 +71,11 @@ class Send:
     """One message in flight: `tensors` (what was sent, and its host copies when staged) are
     referenced until the send completes; `wire` is what goes on the wire.
 
-    `issued_at` and `completed_at` are the sender's instruction clock (`Comm.clock`) when it
-    was issued and when its completion was seen."""
+    `completed_at` is the sender's instruction clock (`Comm.clock`) when its completion was
+    seen."""
 
     __slots__ = (
-        "completed_at", "done", "dst", "issued_at", "key", "tensors", "wire", "works", "written",
+        "completed_at", "done", "dst", "key", "tensors", "wire", "works", "written",
     )  # fmt: skip
 
     def __init__(
@@ -83,11 +83,10 @@ class Send:
         key: tuple[Kind, int, int],
         dst: int,
         tensors: tuple[Tensor, ...],
-        at: int,
         wire: tuple[Tensor, ...],
         written: torch.cuda.Event | None = None,
     ) -> None:
-        self.key, self.dst, self.tensors, self.issued_at, self.wire = key, dst, tensors, at, wire
+        self.key, self.dst, self.tensors, self.wire = key, dst, tensors, wire
         self.written = written  # staged on CUDA: the copy to host memory is done
         self.works: list = []
         self.completed_at: int | None = None
@@ -146,7 +145,7 @@ class Comm:
         self.waited = 0.0  # seconds spent waiting since the interpreter last read it
         self.waiting_on: tuple[int, Kind, int, int] | None = None  # (src, key) of a blocked wait
         self._batch: list[tuple] = []  # the open batch: (op, tensor, peer, tag, works to fill)
-        self._lanes: dict[int, queue.Queue[Send]] | None = None if self.batched else {}
+        self._lanes: dict[int, queue.Queue[Send]] = {}  # gloo's: a sending thread per peer
         self._error: Exception | None = None  # a lane's failure, raised by the next call here
         self._lock = threading.Lock()  # a lane marking a send complete vs the poll
 
@@ -233,18 +232,17 @@ class Comm:
         held = tuple(t.detach().contiguous() for t in tensors)
         key, dst = (kind, stage, mb), self.global_rank(peer)
         if self.staging is None:
-            out = Send(key, dst, held, self.clock, held)
+            out = Send(key, dst, held, held)
         else:
             host, written = self.staging.out(held)
-            out = Send(key, dst, held + tuple(host), self.clock, tuple(host), written)
+            out = Send(key, dst, held + tuple(host), tuple(host), written)
         self.in_flight.append(out)
-        if self._lanes is None:
+        if self.batched:
             self._submit(dist.isend, out.wire, dst, key, out.works)
         else:
             self._lane(dst).put(out)
 
     def _lane(self, dst: int) -> queue.Queue[Send]:
-        assert self._lanes is not None
         lane = self._lanes.get(dst)
         if lane is None:
             lane = self._lanes[dst] = queue.Queue()
@@ -283,7 +281,7 @@ class Comm:
     def poll(self) -> None:
         """Forget completed sends, releasing their buffers (between instructions)."""
         self._raise_error()
-        if self._lanes is None:
+        if self.batched:
             for out in self.in_flight:
                 issued = out.works or not out.wire  # a send in the open batch has no work yet
                 if out.completed_at is None and issued and all(w.is_completed() for w in out.works):
@@ -301,7 +299,7 @@ class Comm:
                 continue
             kind, stage, mb = out.key
             self.waiting_on = (out.dst, kind, stage, mb)
-            if self._lanes is None:
+            if self.batched:
                 for w in out.works:
                     w.wait(self.timeout)
                 out.finish(self.clock)

@@ -1,4 +1,4 @@
-"""A stash: what autograd saved during one forward, held by handles we can count, evict, reload.
+"""A stash: what autograd saved during one forward, held as tensors we can count, evict, reload.
 
 The forward of (stage, mb) runs under `saved_tensors_hooks(saved.pack, saved.unpack)`, so every
 tensor autograd keeps for the backward goes through a `Handle`. That gives the runtime:
@@ -28,15 +28,6 @@ def storage_key(t: Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-class Handle:
-    """One saved tensor."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor
-
-
 class SavedTensors:
     """The tensors autograd saved in one forward; `pack`/`unpack` are the hooks.
 
@@ -45,35 +36,35 @@ class SavedTensors:
 
     def __init__(self, param_keys: frozenset[int]) -> None:
         self.param_keys = param_keys
-        self.handles: list[Handle] = []
+        self.tensors: list[Tensor] = []
         self.nbytes = 0
         self._sizes: dict[int, int] = {}  # storage key -> bytes, non-parameter storages
         self._storages: list[tuple[torch.UntypedStorage, int]] = []  # while evicted: (freed, bytes)
         self.evicted = False
 
-    def pack(self, t: Tensor) -> Handle:
+    def pack(self, t: Tensor) -> Tensor:
         storage = t.untyped_storage()
         key = storage._cdata
         if key not in self._sizes and key not in self.param_keys:
             self._sizes[key] = n = storage.nbytes()
             self.nbytes += n
-        # Detached: a saved output would otherwise hold its own grad_fn through the handle, a
-        # reference cycle that keeps the whole graph (and the inputs' gradients) alive until
-        # the garbage collector runs. Autograd restores the history when it unpacks.
-        h = Handle(t.detach())
-        self.handles.append(h)
-        return h
+        # Detached: a saved output would otherwise hold its own grad_fn through what pack
+        # returns, a reference cycle that keeps the whole graph (and the inputs' gradients)
+        # alive until the garbage collector runs. Autograd restores the history when it unpacks.
+        saved = t.detach()
+        self.tensors.append(saved)
+        return saved
 
-    def unpack(self, h: Handle) -> Tensor:
+    def unpack(self, saved: Tensor) -> Tensor:
         if self.evicted:
             raise RuntimeError("a stash was used while evicted (LOAD missing before its backward)")
-        return h.tensor
+        return saved
 
     def storages(self) -> dict[int, torch.UntypedStorage]:
         """Every non-parameter storage, each once, in first-saved order (the buffer's layout)."""
         out: dict[int, torch.UntypedStorage] = {}
-        for h in self.handles:
-            storage = h.tensor.untyped_storage()
+        for t in self.tensors:
+            storage = t.untyped_storage()
             key = storage._cdata
             if key not in self.param_keys:
                 out.setdefault(key, storage)

@@ -5,18 +5,22 @@ time for memory; the verifier would reject its program at the first instruction 
 limit. Saying the schedule's peak instead tells the user what to ask for.
 """
 
+from collections.abc import Sequence
+
 from passes.costs import CostModel
 from passes.registry import Request
 from passes.simulate import activation_profile
-from pipec.ir import PipecError, Schedule
+from pipec.ir import Instr, Layout, PipecError, Schedule
 
 
 def peak_stashes(sched: Schedule, costs: CostModel) -> float:
     """The largest per-rank peak of live activations under the cost model, in stashes."""
-    return max(
-        max(activation_profile(order, sched.layout, costs, False), default=0.0)
-        for order in sched.orders
-    )
+    return peak_of(sched.orders, sched.layout, costs)
+
+
+def peak_of(orders: Sequence[Sequence[Instr]], layout: Layout, costs: CostModel) -> float:
+    """`peak_stashes` of compute orders not yet made a Schedule."""
+    return max(max(activation_profile(o, layout, costs, False), default=0.0) for o in orders)
 
 
 def refuse_over_limit(sched: Schedule, req: Request, instead: str) -> Schedule:

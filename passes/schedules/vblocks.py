@@ -210,18 +210,21 @@ def relabel_w(orders: Orders) -> Orders:
     return out
 
 
+def first_of(row: list[str], m: int) -> list[str]:
+    """The row without the passes of micro-batches m and beyond (the n-th pass of a kind is
+    micro-batch n's)."""
+    count = dict.fromkeys(KINDS, 0)
+    out = []
+    for kind in row:
+        if count[kind] < m:
+            out.append(kind)
+            count[kind] += 1
+    return out
+
+
 def keep_first(orders: Orders, m: int) -> Orders:
     """Drop the passes of micro-batches m and beyond (built with spare ones, see vreorder)."""
-    out = []
-    for row in orders:
-        count = dict.fromkeys(KINDS, 0)
-        new = []
-        for kind in row:
-            if count[kind] < m:
-                new.append(kind)
-                count[kind] += 1
-        out.append(new)
-    return relabel_w(out)
+    return relabel_w([first_of(row, m) for row in orders])
 
 
 def to_programs(p: int, orders: Orders) -> tuple[Program, ...]:

@@ -304,12 +304,10 @@ def every_variant(block: Block, m: int) -> list[Orders]:
     return ([] if alike else variants(block, m)) + variants(block, m, shared=True)
 
 
-def build(block: Block, m: int, thorough: bool = True) -> Orders | None:
-    """The shortest in slots of `variants(block, m, thorough)`, or None if there is none.
-    Without `thorough`, only the paper's cool-down is tried (the cheap variant a search tries
-    first)."""
+def build(block: Block, m: int) -> Orders | None:
+    """The shortest in slots of `variants(block, m)`, or None if there is none."""
     best, best_length = None, 0
-    for v in variants(block, m, thorough):
+    for v in variants(block, m):
         times = slot_times(v)
         assert times is not None
         length = max(t[-1] for t in times)

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from passes.costs import CostModel
 from passes.mapping import sequential, stage_ranks
 from passes.registry import Request, only_v, schedule
+from passes.schedules.limits import peak_of
 from passes.schedules.zero_bubble import zb_h1_order, zb_h2_order
-from passes.simulate import activation_profile, play
-from pipec.ir import Instr, Op, PipecError, Schedule, single_pipeline
+from passes.simulate import play
+from pipec.ir import Instr, Layout, Op, PipecError, Schedule, single_pipeline
 
 _EPS = 1e-9
 _PASSES = (Op.F, Op.B, Op.W)
@@ -220,9 +221,12 @@ def _run(p: int, m: int, costs: CostModel, cap: float, policy: Policy) -> _Greed
     return g
 
 
-def zb_auto_orders(p: int, m: int, costs: CostModel, cap: float) -> list[list[Instr]]:
+def zb_auto_orders(
+    p: int, m: int, costs: CostModel, cap: float, layout: Layout
+) -> list[list[Instr]]:
     """The best of the eight policies (the shortest longest span, as the reference keeps),
-    or ZB-H1 or ZB-H2 where they fit under the cap and are shorter under the costs."""
+    or ZB-H1 or ZB-H2 where they fit under the cap and are shorter under the costs, on
+    `layout` (p ranks, one stage each)."""
     best: _Greedy | None = None
     for flags in itertools.product((True, False), repeat=3):
         try:
@@ -233,11 +237,10 @@ def zb_auto_orders(p: int, m: int, costs: CostModel, cap: float) -> list[list[In
             best = g
     if best is None:
         raise PipecError(f"zb-auto: no schedule fits under --memory-limit {cap:g}")
-    layout = single_pipeline(p, m, stage_ranks(sequential, p, p))
     orders, finish = best.orders, max(best.end)
     for build in (zb_h1_order, zb_h2_order):
         fixed = [build(p, m, r) for r in range(p)]
-        if max(max(activation_profile(o, layout, costs, False)) for o in fixed) > cap + _EPS:
+        if peak_of(fixed, layout, costs) > cap + _EPS:
             continue
         played = play(layout, fixed, costs).times
         end = max(t for _, t in played.values())
@@ -267,6 +270,6 @@ def _check(req: Request) -> str | None:
 )
 def zb_auto(req: Request) -> Schedule:
     cap = req.p * req.costs.mem_F if req.memory_limit is None else req.memory_limit
-    orders = zb_auto_orders(req.p, req.m, req.costs, cap)
     layout = single_pipeline(req.p, req.m, stage_ranks(sequential, req.p, req.p))
+    orders = zb_auto_orders(req.p, req.m, req.costs, cap, layout)
     return Schedule("zb-auto", req.p, req.m, 1, layout, tuple(map(tuple, orders)))

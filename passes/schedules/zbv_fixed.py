@@ -10,7 +10,7 @@ families with that much memory consider it beside their own. Pass names are vblo
 
 from __future__ import annotations
 
-from passes.schedules.vblocks import Orders
+from passes.schedules.vblocks import Orders, first_of
 
 
 def zbv_orders(p: int, m: int) -> Orders:
@@ -30,16 +30,4 @@ def _rank(p: int, m: int, r: int) -> list[str]:
         f1 += 1
     row += ["b", "B"] * r + ["b", "w"] * (p - r)
     row += ["W"] * r + ["w"] * r  # the weight passes the cool-down left, chunk 1's first
-    return _first(row, m)
-
-
-def _first(row: list[str], m: int) -> list[str]:
-    """The row without the passes of micro-batches m and beyond (the n-th pass of a kind is
-    micro-batch n's)."""
-    seen = dict.fromkeys("FfBbWw", 0)
-    out = []
-    for kind in row:
-        if seen[kind] < m:
-            out.append(kind)
-        seen[kind] += 1
-    return out
+    return first_of(row, m)

@@ -91,12 +91,11 @@ def build_model_plan(
     inputs, output = run_boundaries(stages, ms)
     loss = _last_loss(ms)
     starts = [sum(counts[:k]) for k in range(n_stages)]
-    stage_costs = count_flops(stages, inputs, starts, traced.blocks_path, loss)
-    stages = split(traced.gm, traced.block_of, counts)  # fresh: costing split their backward
-    stashes = [
+    stashes = [  # before costing splits the stages' backward
         measure_stash_bytes(st, x, loss if k == n_stages - 1 else None)
         for k, (st, x) in enumerate(zip(stages, inputs))
     ]
+    stage_costs = count_flops(stages, inputs, starts, traced.blocks_path, loss)
     if profile:
         from pipec.frontend.profile import profile_stages  # imports the runtime package
 

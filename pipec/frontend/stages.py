@@ -30,6 +30,12 @@ from torch.utils import _pytree as pytree
 from pipec.frontend.spec import FrontendError
 
 
+def positional(info: fx.graph._PyTreeInfo, names: list[str]) -> fx.graph._PyTreeInfo:
+    """An exported graph's pytree calling convention, taking `names` positionally and nothing
+    else: how a stage (or a model whose keyword arguments were folded) is called."""
+    return info._replace(orig_args=names, in_spec=pytree.tree_structure((tuple(names), {})))
+
+
 def split(
     gm: fx.GraphModule, block_of: dict[fx.Node, int], counts: list[int]
 ) -> list[fx.GraphModule]:
@@ -156,9 +162,7 @@ def _stage(
         codegen = gm.graph._codegen
         if isinstance(codegen, fx.graph._PyTreeCodeGen):
             names = [n.name for n in graph.nodes if n.op == "placeholder"]
-            info = codegen.pytree_info._replace(
-                orig_args=names, in_spec=pytree.tree_structure((tuple(names), {}))
-            )
+            info = positional(codegen.pytree_info, names)
             graph._codegen = fx.graph._PyTreeCodeGen(copy.copy(info))
     else:
         values = [env[v] for v in live_out]

@@ -31,9 +31,9 @@ import torch
 import torch.fx
 import torch.fx.config
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from pipec.frontend.spec import FrontendError, ModelSpec
+from pipec.frontend.stages import positional
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _FRONTEND_DIR = str(Path(__file__).parent)
@@ -137,10 +137,7 @@ def _positional_only(gm: torch.fx.GraphModule, n_args: int) -> None:
             )
         gm.graph.erase_node(ph)
     names = [ph.name for ph in placeholders[:n_args]]
-    info = gm.graph._codegen.pytree_info
-    gm.graph._codegen.pytree_info = info._replace(
-        orig_args=names, in_spec=pytree.tree_structure((tuple(names), {}))
-    )
+    gm.graph._codegen.pytree_info = positional(gm.graph._codegen.pytree_info, names)
 
 
 class _AutogradFunctionApplied(Exception):

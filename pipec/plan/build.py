@@ -20,7 +20,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from passes.costs import CostModel
-from passes.registry import Request, build_schedule
 from passes.topology import Link
 from pipec.compile import CompileResult, compile_schedule
 from pipec.ir import PipecError
@@ -58,9 +57,8 @@ def compile_candidate(
     (`dp` data-parallel copies add each stage's gradient all-reduce, which the plan does not
     price; `profile_digest` names the saved profile, recorded beside the prediction)."""
     job = ev.request
-    layout = build_schedule(job.schedule, Request(job.p, job.m, job.v)).layout
     partition = ",".join(map(str, ev.chunks.counts))
-    model = model_plan(spec, layout, partition, profile=False, micro_batch_size=ev.mbs)
+    model = model_plan(spec, ev.layout, partition, profile=False, micro_batch_size=ev.mbs)
     model["cost"]["source"] = COST_SOURCE
     model["planned"] = {
         "schedule": ev.schedule,

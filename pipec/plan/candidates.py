@@ -146,6 +146,7 @@ class Evaluated:
     memory: tuple[RankBytes, ...]
     costs: CostModel = field(repr=False, compare=False)
     chunks: Chunks = field(repr=False, compare=False)
+    layout: Layout = field(repr=False, compare=False)  # what the model is cut into
 
     @property
     def schedule(self) -> str:
@@ -284,6 +285,7 @@ def _evaluated(
         tuple(s.peak() for s in samples),
         costs,
         chunks,
+        layout,
     )
 
 

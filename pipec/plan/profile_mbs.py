@@ -130,7 +130,6 @@ def profile_model(
             )
         one_each = [1] * n_blocks
         facts = build_model_plan(ms, n_blocks, one_each, progress=False)
-        blocks = split_model(ms, n_blocks, one_each)
     except FrontendError as e:
         raise PipecError(str(e)) from None
     device = ms.example_inputs[0].device
@@ -138,6 +137,9 @@ def profile_model(
         raise PipecError(f"{spec} builds its model on the meta device; plan needs a runnable one")
     host = device.type == "cpu"  # the CPU meter counts autograd's host records and W's hold
     example = ms.example_inputs[0].shape[0]
+    t0 = time.perf_counter()
+    first = at_size(spec, ms, sized, sizes[0], n_blocks)
+    capture_dt = time.perf_counter() - t0
     block_facts = tuple(
         BlockFacts(
             s.params,
@@ -145,7 +147,7 @@ def profile_model(
             FBW(*(getattr(s.flops, k) / example for k in "FBW")),
             _optimizer_step(block, runs),
         )
-        for s, block in zip(facts.stages, blocks)
+        for s, block in zip(facts.stages, first.blocks)
     )
     if peak_flops is None:
         dtype = next(p.dtype for p in ms.model.parameters() if p.is_floating_point())
@@ -154,9 +156,6 @@ def profile_model(
         source = "--peak-tflops"
     label = "profiling F/B/W per micro-batch size"
     bar = ProgressBar(len(sizes), label, sys.stderr) if progress else None
-    t0 = time.perf_counter()
-    first = at_size(spec, ms, sized, sizes[0], n_blocks)
-    capture_dt = time.perf_counter() - t0
     _measure(first, sizes[0], 1, extras=False)  # warm-up: first calls pay one-time set-up
     points: list[MbsPoint] = []
     stopped, start, work_dt = "", time.perf_counter(), 0.0

@@ -11,10 +11,10 @@ rank and term.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from codegen.render import format_bytes
-from passes.memory_bytes import RankBytes
+from passes.memory_bytes import TERMS
 from passes.topology import Link
 from pipec.plan.candidates import Evaluated
 from pipec.plan.driver import Plan
@@ -101,8 +101,6 @@ def render_text(plan: Plan, top: int = 10, chosen: Sequence[int] = (1,)) -> str:
     return "\n".join(lines)
 
 
-TERMS = tuple(f.name for f in fields(RankBytes) if f.name != "after")
-"""A rank's predicted peak, term by term (passes/memory_bytes.py)."""
 RUN_ON = {"cpu": "a CPU run (gloo, its heap meter)", "cuda": "a CUDA run (NCCL, its allocator)"}
 
 
