@@ -20,17 +20,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import sub
+
+from torch import nn
 
 from passes.batches import batch_ends
 from passes.memory_bytes import ALLOCATES, post_points
 from pipec.ir import Instr, Op, PipecError
 from runtime import clock, compute, grads, offload, p2p
 from runtime.faults import Watchdog
-from runtime.meter import Meter, model_state_bytes
+from runtime.meter import Meter
 from runtime.rank import FIRST_INSTR_LINE, Rank
 from runtime.stash import tensors_nbytes
 
 Handler = Callable[[Rank, Instr], None]
+
+#: Ops that allocate nothing the meter sees: sends and RETURN only let buffers go (at the poll
+#: after them), OVERLAP runs nothing. The meter does not read after them (`Positions`).
+QUIET = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.RETURN, Op.OVERLAP})
 
 
 def run_in_turn(rank: Rank, instr: Instr) -> None:
@@ -75,7 +82,8 @@ class StepTrace:
 
     start[k] is when instruction k began its own work (after waiting for its inputs);
     handler_s sums the handlers' durations, so wall_s - handler_s is the interpreter's own cost.
-    After instruction k: live[k] stash-counter bytes, real[k] the meter's real bytes.
+    After instruction k: live[k] stash-counter bytes, real[k] the meter's real bytes (its last
+    reading at or before k: it reads only after instructions that can allocate).
     real_peak is the step's real peak (on CUDA including peaks inside instructions) and
     state_at_peak the parameters, gradients and optimizer state alive at the highest sample.
     """
@@ -91,6 +99,37 @@ class StepTrace:
     handler_s: float
 
 
+@dataclass(frozen=True)
+class Positions:
+    """What the loop needs to know about a rank's program beyond its instructions, the same
+    every step (made at the first, kept on the rank): where receives are posted (`posts`:
+    {k: receives posted before k}; `ahead`: the receives so posted, which do nothing at their
+    own position), which instructions end an NCCL batch, after which ones the meter reads, and
+    the parameters whose gradients the state at the peak counts."""
+
+    posts: Mapping[int, tuple[int, ...]]
+    ahead: frozenset[int]
+    ends: frozenset[int]
+    metered: tuple[bool, ...]
+    params: tuple[nn.Parameter, ...]
+
+    @staticmethod
+    def of(rt: Rank) -> Positions:
+        program, comm = rt.program, rt.comm
+        posts = post_points(program, comm.post_ahead)
+        ahead = frozenset(j for js in posts.values() for j in js)
+        metered = tuple(
+            k in posts or (k not in ahead and i.op not in QUIET) for k, i in enumerate(program)
+        )
+        return Positions(
+            {k: tuple(js) for k, js in posts.items()},
+            ahead,
+            batch_ends(program) if comm.batched else frozenset(),
+            metered,
+            tuple(rt.parameters()),
+        )
+
+
 def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) -> StepTrace:
     """Execute the rank's program once (one training step).
 
@@ -101,22 +140,24 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
     instruction). Posting has no dependencies and gloo matches by tag, so the order of compute
     and sends is unchanged; the cost is each buffer from its posting to its consumer, which the
     prediction counts.
+
+    The meter reads after the instructions that can allocate (`Positions.metered`); after the
+    others the last reading stands, since letting buffers go cannot raise the peak.
     """
     program, comm = rt.program, rt.comm
     if rt.meter is None:
         rt.meter = Meter(rt.device)
-    meter = rt.meter
+    if rt.positions is None:
+        rt.positions = Positions.of(rt)
+    meter, pos = rt.meter, rt.positions
+    posts, ahead, ends, metered, params = pos.posts, pos.ahead, pos.ends, pos.metered, pos.params
     n = len(program)
     begun, start, end = [0.0] * n, [0.0] * n, [0.0] * n
     live, real = [0] * n, [0] * n
-    posts = post_points(program, comm.post_ahead)
-    ahead = {j for js in posts.values() for j in js}
-    ends = batch_ends(program) if comm.batched else frozenset()
     now, timer = time.perf_counter, clock.clock_for(rt.device, n)  # runtime/clock.py: CUDA
-    params = rt.parameters()
-    best, state = -1, 0
+    best, state, sample = -1, 0, 0
     comm.pop_waited()
-    at_start = model_state_bytes(params, rt.optimizer)  # no gradients yet: zeroed to None
+    at_start = meter.model_state(params, rt.optimizer)  # no gradients yet: zeroed to None
     meter.start_step(at_start)
     t_begin = timer.begin()
     for k, instr in enumerate(program):
@@ -131,7 +172,7 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
         if k not in ahead:
             t0 = timer.start(k)
             watchdog.enter(k, t0)
-            if instr.op in ALLOCATES:
+            if instr.op in ALLOCATES and comm.in_flight:
                 offload.settle(rt)
             handlers[instr.op](rt, instr)
             if k in ends:
@@ -140,12 +181,14 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
             begun[k], start[k], end[k] = t0, t0 + comm.pop_waited(), t1
         comm.poll()
         live[k] = rt.live
-        real[k] = sample = meter.read()
-        if sample > best:
-            grads = [p.grad for p in params if p.grad is not None]
-            best, state = sample, at_start + (tensors_nbytes(grads) if grads else 0)
+        if metered[k]:
+            sample = meter.read()
+            if sample > best:
+                grads = [p.grad for p in params if p.grad is not None]
+                best, state = sample, at_start + (tensors_nbytes(grads) if grads else 0)
+        real[k] = sample
     watchdog.leave()
-    handler = sum(e - b for b, e in zip(begun, end))
+    handler = sum(map(sub, end, begun))
     start, end = timer.finish(t_begin, start, end)  # on CUDA: when the GPU ran each one
     wall = now() - t_begin
     peak = meter.step_peak(real)

@@ -1,4 +1,5 @@
-"""The memory meter: the real bytes a rank holds, read after every instruction.
+"""The memory meter: the real bytes a rank holds, read after every instruction that can
+allocate (the interpreter's `Positions.metered`; a send only lets buffers go).
 
 CUDA: the caching allocator's count, `torch.cuda.memory_allocated`: every live tensor on the
 device, rounded up to the allocator's 512-byte blocks. The step's peak also takes
@@ -54,7 +55,10 @@ class _Mallinfo2(ctypes.Structure):
 
 
 def _mallinfo2():  # type: ignore[no-untyped-def]
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    # PyDLL: called holding the GIL. The call takes microseconds and never enters Python, while
+    # a release would let another thread (a send lane) take the GIL and make the interpreter
+    # wait for it back after every reading.
+    libc = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6")
     fn = getattr(libc, "mallinfo2", None)
     if fn is None:
         return None
@@ -74,12 +78,14 @@ def heap_bytes() -> int:
 
 
 class Meter:
-    """Real bytes held by this rank: `start_step`, then `read()` after each instruction."""
+    """Real bytes held by this rank: `start_step`, then `read()` after the instructions that
+    can allocate."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
         self.base = 0
+        self._state: tuple[tuple[int, int, int, int], int] | None = None  # see model_state
 
     def start_step(self, model_state: int) -> None:
         """A step begins, holding `model_state` bytes of parameters and optimizer state."""
@@ -87,6 +93,17 @@ class Meter:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self.base = heap_bytes() - model_state
+
+    def model_state(self, params: tuple[nn.Parameter, ...], optimizer: object) -> int:
+        """`model_state_bytes`, counted again only when the number of gradients alive or of
+        the optimizer's state entries changed: an optimizer makes its state at its first step
+        and keeps its tensors' sizes, so every later step starts with the same bytes."""
+        states = getattr(optimizer, "state", {})
+        grads = [p for p in params if p.grad is not None]
+        key = (id(optimizer), len(states), sum(map(len, states.values())), len(grads))
+        if self._state is None or self._state[0] != key:
+            self._state = key, model_state_bytes(list(params), optimizer)
+        return self._state[1]
 
     def read(self) -> int:
         if self.cuda:

@@ -280,7 +280,10 @@ class Comm:
 
     def poll(self) -> None:
         """Forget completed sends, releasing their buffers (between instructions)."""
-        self._raise_error()
+        if self._error is not None:
+            raise self._error
+        if not self.in_flight:
+            return
         if self.batched:
             for out in self.in_flight:
                 issued = out.works or not out.wire  # a send in the open batch has no work yet

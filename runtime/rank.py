@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,9 @@ from runtime.meter import Meter
 from runtime.p2p import Comm
 from runtime.stash import Stash, storage_key
 from runtime.transport import Transport
+
+if TYPE_CHECKING:
+    from runtime.interpreter import Positions
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -89,6 +93,7 @@ class Rank:
     peak: int = 0
     data: Synthetic | Stream | None = None  # opened by the first `batch` unless set
     meter: Meter | None = None  # real bytes; made at the first step (runtime/interpreter.py)
+    positions: Positions | None = None  # the program's per-step facts; made at the first step
 
     @property
     def layout(self):

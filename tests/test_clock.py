@@ -63,7 +63,13 @@ def run_step(device: str, stream: FakeStream, n: int = 3):
         ),
         live=0,
         device=torch.device(device),
-        meter=SimpleNamespace(start_step=lambda state: None, read=lambda: 0, step_peak=max),
+        meter=SimpleNamespace(
+            start_step=lambda state: None,
+            model_state=lambda params, optimizer: 0,
+            read=lambda: 0,
+            step_peak=max,
+        ),
+        positions=None,
         parameters=list,
         optimizer=None,
     )

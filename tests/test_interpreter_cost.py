@@ -1,0 +1,130 @@
+"""The interpreter's own cost per instruction, counted rather than timed (timings on a shared
+machine say nothing): the Python calls `run_program` makes around its handlers, and how often
+it reads the memory meter, whose CPU reading walks malloc's free lists (tens of microseconds
+with cold caches, the bulk of the loop's time when it read after every instruction).
+
+The program is a real one (1F1B, p=2, m=8, both ranks; gloo's receive policy and NCCL's
+batched one) with handlers that do nothing, so every call counted is the loop's.
+"""
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from pipec.compile import compile_schedule
+from pipec.ir import Op
+from runtime.interpreter import HANDLERS, QUIET, run_program
+from runtime.meter import Meter
+from runtime.p2p import Comm
+from runtime.transport import Transport
+
+#: Python-level calls (functions and builtins) per instruction, the handler's own included.
+#: The loop makes 11 to 12 (clock, watchdog, handler, poll, meter); it made 20 to 22 while it
+#: read the meter after every instruction and worked out its positions every step.
+CALLS_PER_INSTRUCTION = 13
+STEPS = 3
+
+
+class CountingMeter(Meter):
+    """The CPU meter, counting its readings."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.reads = 0
+
+    def read(self) -> int:
+        self.reads += 1
+        return super().read()
+
+
+def rank(program, protocol: str) -> SimpleNamespace:
+    """What `run_program` uses of a Rank: its program, a real Comm, the meter, parameters."""
+    params = [nn.Parameter(torch.zeros(8)) for _ in range(4)]
+    comm = Comm(lambda r: r, 2, 8, 60.0, transport=Transport(protocol=protocol))
+    return SimpleNamespace(
+        program=program,
+        comm=comm,
+        live=0,
+        device=torch.device("cpu"),
+        meter=CountingMeter(),
+        positions=None,
+        parameters=lambda: params,
+        optimizer=torch.optim.SGD(params, lr=0.1),
+    )
+
+
+def nothing(rt, instr) -> None:  # type: ignore[no-untyped-def]
+    """A handler that does no work: what is left is the interpreter's."""
+
+
+WATCHDOG = SimpleNamespace(enter=lambda k, t: None, leave=lambda: None)
+CASES = [(r, protocol) for r in (0, 1) for protocol in ("gloo", "nccl")]
+
+
+@pytest.fixture(scope="module")
+def programs():
+    return compile_schedule("1f1b", 2, 8).compiled.programs
+
+
+def count_calls(rt, steps: int) -> int:
+    """Python calls and builtin calls made while `steps` steps run."""
+    calls = 0
+
+    def profile(frame, event, arg) -> None:  # type: ignore[no-untyped-def]
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    handlers = dict.fromkeys(HANDLERS, nothing)
+    sys.setprofile(profile)
+    try:
+        for _ in range(steps):
+            run_program(rt, handlers, WATCHDOG)
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("r,protocol", CASES)
+def test_python_calls_per_instruction_stay_bounded(programs, r, protocol):
+    program = programs[r]
+    rt = rank(program, protocol)
+    count_calls(rt, 1)  # the first step makes the meter and the rank's positions
+    calls = count_calls(rt, STEPS)
+    per_instruction = calls / (STEPS * len(program))
+    assert per_instruction <= CALLS_PER_INSTRUCTION, (
+        f"rank {r} ({protocol}): {per_instruction:.1f} Python calls per instruction around the "
+        f"handlers, bound {CALLS_PER_INSTRUCTION}: the interpreter's loop grew"
+    )
+
+
+@pytest.mark.parametrize("r,protocol", CASES)
+def test_the_meter_reads_only_after_instructions_that_can_allocate(programs, r, protocol):
+    """One reading per instruction that can raise the peak (compute, a receive posted, the
+    optimizer), none after a send or after a receive's own position once it was posted ahead;
+    and the positions of a step are worked out once per rank, not once per step."""
+    program = programs[r]
+    rt = rank(program, protocol)
+    trace = run_program(rt, dict.fromkeys(HANDLERS, nothing), WATCHDOG)
+    positions = rt.positions
+    for _ in range(STEPS - 1):
+        run_program(rt, dict.fromkeys(HANDLERS, nothing), WATCHDOG)
+    assert rt.positions is positions
+    posted = set(positions.posts)
+    allocating = [
+        k
+        for k, i in enumerate(program)
+        if k in posted or (k not in positions.ahead and i.op not in QUIET)
+    ]
+    assert rt.meter.reads == STEPS * len(allocating)
+    computes = sum(i.op not in QUIET and i.op not in (Op.RECV_ACT, Op.RECV_GRAD) for i in program)
+    assert len(allocating) <= computes + len(posted)
+    if protocol == "gloo":  # every receive posted at the start: only compute is metered
+        assert len(allocating) < 0.6 * len(program)
+    # a reading stands for the instructions after it up to the next
+    for k in range(1, len(program)):
+        if k not in allocating:
+            assert trace.real[k] == trace.real[k - 1]
