@@ -185,8 +185,11 @@ class Run:
     start: int
 
 
-def preflight(build_dir: Path, args: argparse.Namespace, world: int, local_world: int) -> Run:
-    """The checks whose verdict is the same on every rank; PipecError names the defect."""
+def preflight(
+    build_dir: Path, args: argparse.Namespace, world: int, local_world: int, say: bool = True
+) -> Run:
+    """The checks whose verdict is the same on every rank; PipecError names the defect. `say`:
+    this rank prints the notices (a damaged newest checkpoint skipped)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.share_gpu:
         if args.backend == "nccl":
@@ -229,7 +232,10 @@ def preflight(build_dir: Path, args: argparse.Namespace, world: int, local_world
         )
     resume, start = None, 0
     if args.resume:
-        resume = checkpoint.latest(args.resume)
+        resume, skipped = checkpoint.newest_intact(args.resume)
+        if say:
+            for line in skipped:
+                print(f"pipec runtime: notice: {line}", file=sys.stderr, flush=True)
         checkpoint.check_fits(resume, factory.model)
         start = checkpoint.saved_step(resume)
         if start >= args.steps and not args.check_grads:
@@ -255,7 +261,7 @@ def main(
     args.backend = args.backend or ("nccl" if cuda else "gloo")
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
     try:
-        run = preflight(build_dir, args, world, local_world)
+        run = preflight(build_dir, args, world, local_world, say=grank == 0)
     except PipecError as e:  # every rank found the same: rank 0 says it, nobody waits
         if grank == 0:
             print(f"pipec runtime: {e}", file=sys.stderr, flush=True)
@@ -308,7 +314,7 @@ def restore(rt: Rank, resume: Path | None, seed: int, optimizer: bool = True) ->
     """Load checkpoint `resume` (if any) into this rank's stages (and, with `optimizer`, its
     optimizer's state), and open the data where it stopped; returns the step to continue from."""
     opt = rt.optimizer if optimizer else None
-    start = checkpoint.load(resume, rt.modules.values(), opt) if resume else 0
+    start = checkpoint.load(resume, rt.modules.values(), opt, check=False) if resume else 0
     rt.data = open_source(rt.spec, rt.layout.m * rt.dp, seed, start)
     return start
 
