@@ -136,7 +136,9 @@ def _write_part(partial: Path, rank: int, state: dict) -> None:
         elif value is None or isinstance(value, (bool, int, float, str)):
             scalars[key] = value
         else:
-            raise PipecError(f"checkpoint: {key} is a {type(value).__name__}, not a tensor or scalar")
+            raise PipecError(
+                f"checkpoint: {key} is a {type(value).__name__}, not a tensor or scalar"
+            )
     name = f"rank_{rank:05d}.safetensors"
     part: dict = {"scalars": scalars, "files": {}, "tensors": {}}
     if tensors:
