@@ -248,7 +248,20 @@ def verify(path: Path) -> dict:
                 f"{file}: its sha256 differs from the manifest's (the file is corrupted); "
                 "resume from an earlier checkpoint"
             )
+        _check_tensors(file, {k: e for k, e in found["tensors"].items() if e["file"] == name})
     return found
+
+
+def _check_tensors(file: Path, listed: dict[str, dict]) -> None:
+    """Raise PipecError unless safetensors file `file` holds exactly the `listed` tensors, with
+    their shapes (its header only: the data is not read)."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            shapes = {key: list(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type, or an OS error
+        raise PipecError(f"{file}: not a safetensors file ({e})") from None
+    if shapes != {key: entry["shape"] for key, entry in listed.items()}:
+        raise PipecError(f"{file}: its tensors are not those its manifest lists")
 
 
 def newest_intact(path: Path) -> tuple[Path, list[str]]:

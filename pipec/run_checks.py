@@ -2,8 +2,9 @@
 
 The launch options are parsed by launch.py's own parser (runtime/main.py), so every option
 the runtime knows is checked here the same way, in one line; the build must load (a corrupted
-plan.json or program is named), `--nproc` must be the build's P·D ranks, and a `--save`
-directory must take a file (a probe, written and removed) before any rank trains.
+plan.json or program is named), its launch.py and model factory must be the plan's (pipec run
+executes them), `--nproc` must be the build's P·D ranks, and a `--save` directory must take a
+file (a probe, written and removed) before any rank trains.
 """
 
 from __future__ import annotations
@@ -55,14 +56,15 @@ def check_writable(directory: Path, option: str = "--save") -> None:
 def check_run(build: Path, nproc: int | None, args: Sequence[str]) -> int | None:
     """Every check `pipec run BUILD [--nproc N] ARGS` makes before starting torchrun; returns
     the number of ranks to start, or None when only `--help` was asked for."""
-    from pipec.build_dir import load
+    from pipec.build_dir import check_launch, load
+    from pipec.provenance import check_factory
 
     if not (Path(build) / "launch.py").is_file():
         raise PipecError(
             f"{build}: no launch.py here; compile a model with `pipec compile MODEL ... --out DIR`"
         )
-    plan = load(build)
-    ranks = plan.compiled.world * int(plan.plan.get("dp", 1))
+    loaded = load(build)
+    ranks = loaded.compiled.world * int(loaded.plan.get("dp", 1))
     if nproc is not None and nproc != ranks:
         raise PipecError(
             f"--nproc {nproc}: this build runs {ranks} ranks, all on this machine; drop --nproc"
@@ -70,6 +72,9 @@ def check_run(build: Path, nproc: int | None, args: Sequence[str]) -> int | None
     options = launch_options(args)
     if options is None:
         return None
+    check_launch(loaded)  # pipec run executes it: it must be the plan's
+    if loaded.plan.get("model") is not None and options.model is None:
+        check_factory(loaded.plan["model"], loaded.path)
     if options.save is not None:
         check_writable(options.save)
     return ranks
