@@ -199,6 +199,10 @@ def _items(text: str, what: str, pattern: re.Pattern, expected: str) -> list[tup
     return pairs
 
 
+#: The largest time --costs takes: a makespan sums up to p·m·v of them, which must stay finite.
+COST_MAX = 1e15
+
+
 def parse_costs(text: str, base: CostModel | None = None) -> CostModel:
     """Parse `--costs F=1,B=1,W=1,comm=0` (any subset; `F=1:2:1:1` weighs each chunk;
     `per=chunk`: the values are per chunk op, `per=share` (the default) of a rank's share)."""
@@ -217,8 +221,11 @@ def parse_costs(text: str, base: CostModel | None = None) -> CostModel:
         else:
             fields[key] = tuple(_number(v, f"--costs {key}") for v in value.split(":"))
     for key, value in fields.items():
-        if key != "per" and min(value if isinstance(value, tuple) else (value,)) < 0:
+        values = value if isinstance(value, tuple) else (value,)
+        if key != "per" and min(values) < 0:
             raise PipecError(f"--costs {key} must not be negative")
+        if key != "per" and max(values) > COST_MAX:  # sums of such times overflow to inf
+            raise PipecError(f"--costs {key} must be at most {COST_MAX:g}; use a larger unit")
     return replace(base or CostModel(), **fields)
 
 

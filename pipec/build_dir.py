@@ -33,7 +33,7 @@ from passes.simulate import SimResult, simulate
 from passes.stash_timeline import stash_over_time
 from passes.verify import verify
 from pipec.beside import beside
-from pipec.compile import PLAN_FORMAT, CompileResult, gc_paused, plan_hash
+from pipec.compile import PLAN_FORMAT, CompileResult, check_dp, gc_paused, plan_hash
 from pipec.ir import FORMAT_VERSION, Compiled, Layout, PipecError, instruction_count
 from pipec.textform import Header, parse_program
 
@@ -103,23 +103,21 @@ def render_half(result: CompileResult, half: int) -> dict[str, str]:
     files["plan.json"] = result.plan_text
     files["stats.json"] = dump_json(stats(c, result.costs, result.sim))
     files["timeline.json"] = trace_json(result.sim.timeline, title(result))
-    model = result.plan["model"]
-    if model is not None:  # only a build with a model can train
-        dp = result.plan.get("dp", 1)
-        files["launch.py"] = render_launch(
-            {
-                "spec": model["spec"],
-                "schedule": c.schedule,
-                "p": c.p,
-                "m": c.m,
-                "v": c.v,
-                "world": c.world,
-                "dp": dp,
-                "nproc": c.world * dp,
-                "plan": result.plan_hash,
-            }
-        )
+    if result.plan["model"] is not None:  # only a build with a model can train
+        files["launch.py"] = launch_text(result.plan, result.plan_hash)
     return files
+
+
+def launch_text(plan: dict, digest: str) -> str:
+    """OUT/launch.py of a build with a model: all of it follows from the plan, so a run and
+    `verify` can tell an edited one."""
+    dp, world = int(plan.get("dp", 1)), int(plan["world"])
+    facts = {key: plan[key] for key in ("schedule", "p", "m", "v")}
+    return render_launch(
+        facts
+        | {"spec": plan["model"]["spec"], "world": world, "dp": dp, "nproc": world * dp}
+        | {"plan": digest}
+    )
 
 
 def stats(c: Compiled, costs: CostModel, sim: SimResult) -> dict:
@@ -147,6 +145,13 @@ def emit(result: CompileResult, out: Path, force: bool = False) -> None:
     """
     out = Path(out)
     check_out(out, force, result.compiled.schedule)
+    try:
+        _emit(result, out)
+    except OSError as e:
+        raise PipecError(f"--out {out}: cannot write the build there ({e.strerror})") from None
+
+
+def _emit(result: CompileResult, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out.parent)
     # Named after this process, so a later compile can tell when its owner is gone; created
@@ -209,6 +214,17 @@ def check_out(out: Path, force: bool = False, schedule: str | None = None) -> No
 _TEMPORARY = re.compile(r"\.(.+)\.(?:tmp|old)-(\d+)-[0-9a-f]{8}")
 
 
+def os_error(e: OSError) -> str:
+    """An OSError as one line for a user: its reason and the file, but never one of emit's
+    temporaries (the --out it stands for instead)."""
+    name = Path(os.fsdecode(e.filename)) if e.filename else None
+    for part in name.parts if name else ():
+        if m := _TEMPORARY.fullmatch(part):
+            name = Path(str(name).split(part)[0]) / m[1]
+            return f"--out {name}: {e.strerror}"
+    return f"{name}: {e.strerror}" if name else str(e.strerror or e)
+
+
 def _remove_stale(directory: Path) -> None:
     """Remove the temporaries that compiles killed before they could clean up left in
     `directory`: only names emit makes, and only those whose process is gone."""
@@ -260,10 +276,15 @@ def load(path: Path) -> Build:
         costs = CostModel.from_json(plan["costs"])
         world, schedule = int(plan["world"]), plan["schedule"]
         p, m, v = int(plan["p"]), int(plan["m"]), int(plan["v"])
-    except (ValueError, KeyError, TypeError) as e:
+        dp = int(plan.get("dp", 1))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         if isinstance(e, PipecError):
             raise
         raise PipecError(f"{plan_file}: corrupted plan ({type(e).__name__}: {e})") from None
+    try:
+        check_dp(dp, world)
+    except PipecError as e:
+        raise PipecError(f"{plan_file}: {e}; recompile") from None
     digest = plan_hash(text)
     programs = []
     for rank in range(world):
@@ -298,6 +319,7 @@ def check_build(build: Build) -> SimResult:
         )
     if missing:
         raise PipecError(f"{build.path / missing[0]}: missing; recompile the directory")
+    check_launch(build)
     c = build.compiled
     verify(c, build.costs, None, build.plan.get("memory_limit"), dp=int(build.plan.get("dp", 1)))
     sim = simulate(c.layout, c.programs, build.costs)
@@ -316,6 +338,18 @@ def check_build(build: Build) -> SimResult:
             "recompile the directory"
         )
     return sim
+
+
+def check_launch(build: Build) -> None:
+    """Raise PipecError when the build's launch.py is not the one its plan renders."""
+    launch = build.path / "launch.py"
+    if build.plan.get("model") is None or not launch.is_file():
+        return
+    if launch.read_text() != launch_text(build.plan, build.plan_hash):
+        raise PipecError(
+            f"{launch}: not the launch.py this plan generates (edited after compiling); "
+            "recompile the directory"
+        )
 
 
 def _difference(written: object, simulated: object, key: str = "") -> tuple | None:

@@ -1,67 +1,70 @@
-"""Checkpoints: torch.distributed.checkpoint (DCP) directories keyed by the model's own names.
+"""Checkpoints: safetensors files keyed by the model's own names, a JSON manifest, no pickle.
 
-    DIR/step_000006/           a complete checkpoint: DCP's .metadata and one file per writer
-    DIR/step_000003/           the one before it (the two newest are kept)
-    DIR/.step_000009.partial/  a save under way, or one killed mid-write: never read
+    DIR/step_000006/                  a complete checkpoint
+        rank_00000.safetensors        the tensors rank 0 owned, under their names
+        rank_00001.safetensors        ...one file per rank that had something to write
+        manifest.json                 written last: step, every file's sha256 and size, which
+                                      file holds each tensor (shape, dtype), the JSON scalars
+    DIR/step_000003/                  the one before it (the two newest are kept)
+    DIR/.step_000009.partial/         a save under way, or one killed mid-write: never read
 
 Keys: `model.NAME` for every entry of the model's state_dict (`model.blocks.3.attn.qkv.weight`),
 `optim.NAME.STATE` for the optimizer state of parameter NAME (AdamW: step, exp_avg,
 exp_avg_sq), and `step`, the number of training steps done. Pipeline stages keep the model's
-names, so a checkpoint saved by one build loads into any other partition, schedule or rank
-count of the same model, and into the plain model in one process (`load_full`).
+names and a load reads each name from whichever file holds it, so a checkpoint saved by one
+build loads into any other partition, schedule or rank count of the same model, and into the
+plain model in one process (`load_full`).
 
-Atomic: every rank writes into the .partial directory; DCP writes its .metadata last, after
-every rank's files, and only then does rank 0 rename the directory to step_N (one rename). A
-run killed at any point leaves every step_N directory complete, so the newest one loads.
+Nothing read back is unpickled: safetensors holds only tensors and JSON, the manifest is JSON.
+A load first checks every file against the manifest's sha256 (`verify`) and names the first
+bad one; `newest_intact` skips a damaged newest checkpoint for the one before it.
+
+Atomic: every rank writes into the .partial directory and describes its file in a small
+JSON beside it; after a barrier rank 0 folds those into manifest.json (written to a temporary
+name, fsynced, renamed) and renames the directory to step_N (one rename). A run killed at any
+point leaves every step_N directory complete.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
-import warnings
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from pipec.ir import PipecError
 
 KEEP = 2  # newest checkpoints kept; older ones are removed after each save
+FORMAT = "pipec.checkpoint/1"
+MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step_(\d{6,})$")
+_OLD = ".metadata"  # torch.distributed.checkpoint's pickled metadata: the format before this one
 
 
 def step_dir(directory: Path, step: int) -> Path:
     return Path(directory) / f"step_{step:06d}"
 
 
-def checkpoints(directory: Path) -> list[Path]:
-    """The complete checkpoints in `directory`, oldest first."""
-    directory = Path(directory)
+def _step_dirs(directory: Path) -> list[Path]:
+    """Every step_N directory in `directory`, complete or not, oldest first."""
     if not directory.is_dir():
         return []
     found = [(int(m[1]), p) for p in directory.iterdir() if (m := _STEP.match(p.name))]
-    return [p for _, p in sorted(found) if (p / ".metadata").is_file()]
+    return [p for _, p in sorted(found)]
 
 
-def latest(path: Path) -> Path:
-    """`path` itself if it is one checkpoint, else the newest checkpoint in it."""
-    path = Path(path)
-    if (path / ".metadata").is_file():
-        return path
-    found = checkpoints(path)
-    if not found:
-        raise PipecError(
-            f"{path}: no checkpoint here (no complete step_NNNNNN directory); "
-            f"save one with launch.py --save {path}"
-        )
-    return found[-1]
+def checkpoints(directory: Path) -> list[Path]:
+    """The complete checkpoints in `directory` (those with a manifest), oldest first."""
+    return [p for p in _step_dirs(Path(directory)) if (p / MANIFEST).is_file()]
 
 
 def state_dict(modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None) -> dict:
@@ -77,30 +80,32 @@ def state_dict(modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | 
     return state
 
 
+# -- saving ---------------------------------------------------------------------------------------
+
+
 def save(directory: Path, step: int, state: dict) -> Path:
     """Write `state` (this rank's part, see `state_dict`) as DIR/step_N; every rank calls it.
 
-    With a process group, DCP gathers the ranks' plans and writes one file per rank that has
-    something to write; rank 0 then publishes the checkpoint with one rename and removes all
-    but the `KEEP` newest. Returns the checkpoint's path.
+    Each rank writes its tensors to its own file; rank 0 then writes the manifest, publishes
+    the checkpoint with one rename and removes all but the `KEEP` newest. Returns its path.
     """
     directory = Path(directory)
     distributed = dist.is_initialized()
-    first = not distributed or dist.get_rank() == 0
+    rank = dist.get_rank() if distributed else 0
     final = step_dir(directory, step)
     partial = directory / f".{final.name}.partial"
-    if first:
+    if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # left by a killed save
+        for stale in directory.glob(".step_*.partial"):  # left by killed saves
+            shutil.rmtree(stale, ignore_errors=True)
+        partial.mkdir()
     if distributed:
-        dist.barrier()  # nobody writes into the partial directory before it is clean
-    with _quiet():
-        dcp.save(
-            state | ({"step": step} if first else {}),
-            checkpoint_id=partial,
-            no_dist=not distributed,
-        )
-    if first:
+        dist.barrier()  # nobody writes into the partial directory before it exists
+    _write_part(partial, rank, state)
+    if distributed:
+        dist.barrier()  # every rank's file and its description are on disk
+    if rank == 0:
+        _write_manifest(partial, step)
         if final.exists():  # a step saved again (a resumed run re-saving it): replace it
             old = directory / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -115,12 +120,74 @@ def save(directory: Path, step: int, state: dict) -> Path:
     return final
 
 
-@contextmanager
-def _quiet() -> Iterator[None]:
-    """DCP warns that it 'assumes the intent' of a single-process load: that is the intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        yield
+def _write_part(partial: Path, rank: int, state: dict) -> None:
+    """This rank's tensors as rank_R.safetensors, and rank_R.json: its file's sha256 and size,
+    each tensor's shape and dtype, and the values that are not tensors (JSON scalars)."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, object] = {}
+    storages: set[int] = set()
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            # safetensors refuses two names on one storage (tied weights): give each its own.
+            ptr = t.untyped_storage().data_ptr()
+            tensors[key] = t.clone() if ptr in storages else t
+            storages.add(ptr)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            scalars[key] = value
+        else:
+            raise PipecError(
+                f"checkpoint: {key} is a {type(value).__name__}, not a tensor or scalar"
+            )
+    name = f"rank_{rank:05d}.safetensors"
+    part: dict = {"scalars": scalars, "files": {}, "tensors": {}}
+    if tensors:
+        save_file(tensors, str(partial / name))
+        part["files"][name] = _describe(partial / name)
+        part["tensors"] = {
+            k: {"file": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+            for k, t in tensors.items()
+        }
+    _write_json(partial / f"rank_{rank:05d}.json", part)
+
+
+def _describe(path: Path) -> dict:
+    """A file's size and sha256, read back from disk after an fsync (what a load will see)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_manifest(partial: Path, step: int) -> None:
+    """Fold the ranks' descriptions into manifest.json (atomically) and remove them."""
+    manifest: dict = {"format": FORMAT, "step": step, "files": {}, "tensors": {}, "scalars": {}}
+    parts = sorted(partial.glob("rank_*.json"))
+    for part_file in parts:
+        part = json.loads(part_file.read_text())
+        for key in ("files", "tensors", "scalars"):
+            manifest[key] |= part[key]
+    manifest["scalars"]["step"] = step
+    _write_json(partial / MANIFEST, manifest)
+    for part_file in parts:
+        part_file.unlink()
+
+
+def _write_json(path: Path, value: dict) -> None:
+    """Write `value` to `path` whole or not at all: a temporary name, fsync, one rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(value, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
 
 
 def _sync(directory: Path) -> None:
@@ -132,97 +199,208 @@ def _sync(directory: Path) -> None:
         os.close(fd)
 
 
+# -- reading --------------------------------------------------------------------------------------
+
+
+def manifest(path: Path) -> dict:
+    """Checkpoint `path`'s manifest, checked for form (not yet against the files)."""
+    path = Path(path)
+    file = path / MANIFEST
+    if not file.is_file():
+        if (path / _OLD).is_file():
+            raise PipecError(
+                f"{path}: a checkpoint in the old torch.distributed.checkpoint format, whose "
+                "metadata is a pickle pipec no longer reads; save it again with this pipec"
+            )
+        raise PipecError(f"{path}: no {MANIFEST}, so not a complete checkpoint")
+    try:
+        found = json.loads(file.read_text())
+        if found.get("format") != FORMAT:
+            raise ValueError(f"format {found.get('format')!r}, expected {FORMAT}")
+        int(found["step"])
+        for entry in found["files"].values():
+            int(entry["bytes"]), str(entry["sha256"])
+        for entry in found["tensors"].values():
+            if entry["file"] not in found["files"]:
+                raise ValueError(f"a tensor in {entry['file']!r}, which it does not list")
+        dict(found["scalars"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PipecError(f"{file}: not a pipec checkpoint manifest ({e})") from None
+    return found
+
+
+def verify(path: Path) -> dict:
+    """Check every file of checkpoint `path` against its manifest (size, then sha256); a
+    PipecError names the first file that is missing, truncated or altered. Returns it."""
+    path = Path(path)
+    found = manifest(path)
+    for name, entry in sorted(found["files"].items()):
+        file = path / name
+        if Path(name).name != name or not file.is_file():
+            raise PipecError(f"{file}: missing from the checkpoint its manifest describes")
+        if file.stat().st_size != entry["bytes"]:
+            raise PipecError(
+                f"{file}: {file.stat().st_size} bytes, the manifest says {entry['bytes']} "
+                "(truncated or overwritten); resume from an earlier checkpoint"
+            )
+        if _sha256(file) != entry["sha256"]:
+            raise PipecError(
+                f"{file}: its sha256 differs from the manifest's (the file is corrupted); "
+                "resume from an earlier checkpoint"
+            )
+        _check_tensors(file, {k: e for k, e in found["tensors"].items() if e["file"] == name})
+    return found
+
+
+def _check_tensors(file: Path, listed: dict[str, dict]) -> None:
+    """Raise PipecError unless safetensors file `file` holds exactly the `listed` tensors, with
+    their shapes (its header only: the data is not read)."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            shapes = {key: list(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type, or an OS error
+        raise PipecError(f"{file}: not a safetensors file ({e})") from None
+    if shapes != {key: entry["shape"] for key, entry in listed.items()}:
+        raise PipecError(f"{file}: its tensors are not those its manifest lists")
+
+
+def newest_intact(path: Path) -> tuple[Path, list[str]]:
+    """`path` itself if it is one checkpoint (verified), else the newest checkpoint in it that
+    verifies, with a notice for each newer one skipped; PipecError when there is none."""
+    path = Path(path)
+    if (path / MANIFEST).is_file() or (path / _OLD).is_file():
+        verify(path)
+        return path, []
+    skipped: list[str] = []
+    candidates = _step_dirs(path)
+    for candidate in reversed(candidates):
+        try:
+            verify(candidate)
+        except PipecError as e:
+            skipped.append(f"skipping {candidate.name}: {e}")
+            continue
+        return candidate, skipped
+    if candidates:  # say why the newest is unusable
+        manifest(candidates[-1])
+        verify(candidates[-1])
+    raise PipecError(
+        f"{path}: no checkpoint here (no complete step_NNNNNN directory); "
+        f"save one with launch.py --save {path}"
+    )
+
+
+def latest(path: Path) -> Path:
+    """`path` itself if it is one checkpoint, else the newest intact checkpoint in it."""
+    return newest_intact(path)[0]
+
+
 def saved_step(path: Path) -> int:
     """The number of training steps checkpoint `path` had done."""
-    state: dict[str, object] = {"step": 0}
-    with _quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=True)
-    return int(state["step"])
+    return int(manifest(path)["step"])
 
 
 def check_fits(path: Path, model: nn.Module, saved: dict | None = None) -> None:
-    """Raise PipecError unless checkpoint `path` (whose metadata `saved` is, when already read)
+    """Raise PipecError unless checkpoint `path` (whose manifest `saved` is, when already read)
     holds every entry of `model`'s state_dict with its shape: a checkpoint of another model is
     refused before anything is loaded."""
-    if saved is None:
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    tensors = (saved or manifest(path))["tensors"]
     for name, t in model.state_dict().items():
-        entry = saved.get(f"model.{name}")
-        if not isinstance(entry, TensorStorageMetadata):
+        entry = tensors.get(f"model.{name}")
+        if entry is None:
             raise PipecError(f"{path}: no {name} in this checkpoint; was it saved from this model?")
-        if tuple(entry.size) != tuple(t.shape):
+        if tuple(entry["shape"]) != tuple(t.shape):
             raise PipecError(
-                f"{path}: {name} is {tuple(entry.size)} in this checkpoint, {tuple(t.shape)} in "
-                "the model; was it saved from this model?"
+                f"{path}: {name} is {tuple(entry['shape'])} in this checkpoint, {tuple(t.shape)} "
+                "in the model; was it saved from this model?"
             )
 
 
+def read(path: Path, keys: Iterable[str], saved: dict) -> dict[str, object]:
+    """The values of `keys` in checkpoint `path` (manifest `saved`), each tensor read from the
+    file that holds it (on the CPU) and each scalar from the manifest."""
+    by_file: dict[str, list[str]] = {}
+    out: dict[str, object] = {}
+    for key in keys:
+        if key in saved["tensors"]:
+            by_file.setdefault(saved["tensors"][key]["file"], []).append(key)
+        else:
+            out[key] = saved["scalars"][key]
+    for name, wanted in by_file.items():
+        with safe_open(str(Path(path) / name), framework="pt") as f:
+            out |= {key: f.get_tensor(key) for key in wanted}
+    return out
+
+
 def load(
-    path: Path, modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None = None
+    path: Path,
+    modules: Iterable[nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    check: bool = True,
 ) -> int:
     """Load checkpoint `path` into `modules` (in place) and, if given, `optimizer` (the state
     of the modules' parameters; hyperparameters stay the optimizer's). Returns the step.
 
-    Reads only (no collective): each rank of a pipelined run loads its own stages.
+    Reads only (no collective): each rank of a pipelined run loads its own stages. `check`
+    verifies the files first (off only where the caller has just verified them).
     """
     path = Path(path)
     modules = list(modules)
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = verify(path) if check else manifest(path)
     for module in modules:
         check_fits(path, module, saved)
-    state = {"step": 0} | state_dict(modules, None)
-    moments = _optimizer_templates(saved, modules, optimizer) if optimizer is not None else {}
-    for keys in moments.values():
-        state |= keys
-    with _quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        keys = [f"model.{name}" for name in module.state_dict()]
+        values = read(path, keys, saved)
+        module.load_state_dict({k.removeprefix("model."): values[k] for k in keys})
     if optimizer is not None:
-        index = {id(p): i for i, p in enumerate(_params(optimizer))}
-        loaded = {
-            index[pid]: {key.rsplit(".", 1)[1]: state[key] for key in keys}
-            for pid, keys in moments.items()
-        }
-        optimizer.load_state_dict(
-            {"state": loaded, "param_groups": optimizer.state_dict()["param_groups"]}
-        )
-    return int(state["step"])
+        _load_optimizer(path, saved, modules, optimizer)
+    return int(saved["step"])
 
 
-def _params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _optimizer_templates(
-    saved: dict, modules: list[nn.Module], optimizer: torch.optim.Optimizer
-) -> dict[int, dict[str, object]]:
-    """Per optimized parameter (by id), the checkpoint's keys of its state, as tensors of the
-    saved shape for DCP to fill (other values as placeholders it replaces)."""
-    mine = {id(p) for p in _params(optimizer)}
-    templates: dict[int, dict[str, object]] = {}
+def _load_optimizer(
+    path: Path, saved: dict, modules: list[nn.Module], optimizer: torch.optim.Optimizer
+) -> None:
+    """The saved state of each optimized parameter of `modules`, found by its name."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    index = {id(p): i for i, p in enumerate(params)}
+    every = saved["tensors"].keys() | saved["scalars"].keys()
+    loaded: dict[int, dict[str, object]] = {}
     for module in modules:
         for name, p in module.named_parameters(remove_duplicate=False):
-            if id(p) not in mine or id(p) in templates:
+            if id(p) not in index or index[id(p)] in loaded:
                 continue
             prefix = f"optim.{name}."
-            keys = {
-                k: v
-                for k, v in saved.items()
-                if k.startswith(prefix) and "." not in k[len(prefix) :]
-            }
+            keys = [k for k in every if k.startswith(prefix) and "." not in k[len(prefix) :]]
             if keys:
-                templates[id(p)] = {
-                    k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
-                    if isinstance(v, TensorStorageMetadata)
-                    else None
-                    for k, v in keys.items()
-                }
-    return templates
+                values = read(path, keys, saved)
+                loaded[index[id(p)]] = {k[len(prefix) :]: v for k, v in values.items()}
+    optimizer.load_state_dict(
+        {"state": loaded, "param_groups": optimizer.state_dict()["param_groups"]}
+    )
 
 
 def load_full(
     directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> int:
-    """Load the newest checkpoint in `directory` (or the checkpoint `directory`) into the plain,
-    unpartitioned `model` in one process, and its optimizer state into `optimizer` if given.
-    Returns the number of steps the checkpoint had trained."""
-    return load(latest(directory), [model], optimizer)
+    """Load the newest intact checkpoint in `directory` (or the checkpoint `directory`) into
+    the plain, unpartitioned `model` in one process, and its optimizer state into `optimizer`
+    if given. Returns the number of steps the checkpoint had trained."""
+    path = latest(directory)
+    return load(path, [model], optimizer, check=False)  # latest verified it
+
+
+def export_model(path: Path, out: Path, notice: Callable[[str], None] | None = None) -> Path:
+    """Write the model part of checkpoint `path` (newest intact, if a directory of them) as
+    one `model.safetensors` in directory `out`, under the model's own names: beside the
+    model's config.json, what `transformers`' `from_pretrained(out)` loads."""
+    path, skipped = newest_intact(path)
+    for line in skipped:
+        if notice:
+            notice(line)
+    saved = manifest(path)
+    keys = sorted(k for k in saved["tensors"] if k.startswith("model."))
+    values = read(path, keys, saved)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "model.safetensors"
+    save_file({k.removeprefix("model."): values[k] for k in keys}, str(target), {"format": "pt"})
+    return target

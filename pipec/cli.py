@@ -29,13 +29,23 @@ from passes.residency import NEEDS_MODEL
 from passes.simulate import SimResult
 from passes.topology import Topology, make_topology
 from pipec import __version__
-from pipec.build_dir import MEASURED, Build, check_build, check_out, emit, load, time_unit
+from pipec.build_dir import (
+    MEASURED,
+    Build,
+    check_build,
+    check_out,
+    emit,
+    load,
+    os_error,
+    time_unit,
+)
 from pipec.compile import CompileResult, compile_schedule, gc_paused
 from pipec.footprint import check_fits
 from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
 from pipec.ir import Layout, PipecError
 from pipec.model import compile_model
 from pipec.progress import progress
+from pipec.provenance import check_factory
 
 DEVICE_HELP = (
     "Profile on this device: cpu, cuda or cuda:N, the one the build will run on (default: "
@@ -483,7 +493,7 @@ def simulate_cmd(as_json: bool, **opts) -> CompileResult:
 )
 @click.option(
     "--width",
-    type=click.IntRange(min=10),
+    type=click.IntRange(min=10, max=10000),
     default=100,
     show_default=True,
     help="Columns of the Gantt chart.",
@@ -581,6 +591,8 @@ def verify_cmd(directory: Path) -> None:
     re-simulation; exit 2 on any violation."""
     build = load(directory)
     sim = check_build(build)
+    if build.plan.get("model") is not None:  # the factory a run would import
+        check_factory(build.plan["model"], build.path)
     c = build.compiled
     n = sum(len(p) for p in c.programs)
     click.echo(
@@ -620,11 +632,25 @@ def _csv(text: str, what: str, kind: type = str) -> list:
     "--mbs", default="", help="Micro-batch sizes to profile (default: 1,2,4,… up to the batch)."
 )
 @click.option(
-    "--time-budget", type=float, default=60.0, show_default=True, help="Profiling seconds."
+    "--time-budget",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="Profiling seconds.",
 )
-@click.option("--runs", type=int, default=3, show_default=True, help="Timed runs per op (median).")
 @click.option(
-    "--comm", type=float, default=0.0, show_default=True, help="Seconds per cross-rank transfer."
+    "--runs",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Timed runs per op (median).",
+)
+@click.option(
+    "--comm",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds per cross-rank transfer.",
 )
 @click.option(
     "--nodes", type=int, default=None, help="Nodes the pipeline spans (one rank per GPU)."
@@ -638,7 +664,10 @@ def _csv(text: str, what: str, kind: type = str) -> list:
     help="Links as BYTES_PER_S:SECONDS, e.g. intra=450e9:5e-6,inter=50e9:1e-5.",
 )
 @click.option(
-    "--threads", type=int, default=None, help="CPU threads while profiling (one rank's share)."
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="CPU threads while profiling (one rank's share).",
 )
 @click.option("--device", default=None, help=DEVICE_HELP)
 @click.option("--top", type=int, default=10, show_default=True, help="Rows printed.")
@@ -783,8 +812,11 @@ def run_cmd(directory: Path, nproc: int | None, launch_args: tuple[str, ...]) ->
 @click.option("--format", "fmt", type=click.Choice(["torch-csv"]), default="torch-csv")
 @click.option("--out", "-o", required=True, help="File to write ('-': standard output).")
 @click.option("--comms", is_flag=True, help="Add sends, receives, REDUCE_GRAD (compute_comms).")
-def export(directory: Path, fmt: str, out: str, comms: bool) -> None:
+@click.option("--force", is_flag=True, help="Replace an existing --out file.")
+def export(directory: Path, fmt: str, out: str, comms: bool, force: bool) -> None:
     """Write a build's programs in torch.distributed.pipelining's per-rank action CSV."""
+    if out != "-" and Path(out).exists() and not force:
+        raise PipecError(f"--out {out} exists; pass --force to replace it, or name a new file")
     text = export_torch_csv(directory, comms)
     if out == "-":
         click.echo(text, nl=False)
@@ -808,8 +840,11 @@ def main(argv: list[str] | None = None) -> object:
     except click.ClickException as e:
         click.echo(f"pipec: error: {e.format_message()}", err=True)
         sys.exit(2)
-    except (PipecError, OSError) as e:
+    except PipecError as e:
         click.echo(f"pipec: error: {e}", err=True)
+        sys.exit(2)
+    except OSError as e:
+        click.echo(f"pipec: error: {os_error(e)}", err=True)
         sys.exit(2)
 
 

@@ -73,6 +73,20 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+#: The most ranks (p·dp) a build may have: far beyond any machine, and a guard against a typo.
+MAX_RANKS = 65536
+
+
+def check_dp(dp: int, p: int) -> None:
+    """Raise PipecError unless `dp` copies of a `p`-rank pipeline make a sensible world."""
+    if dp < 1:
+        raise PipecError(f"--dp must be at least 1 (got {dp})")
+    if dp * p > MAX_RANKS:
+        raise PipecError(
+            f"--dp {dp}: {dp * p} ranks in all (p={p}); pipec builds at most {MAX_RANKS} ranks"
+        )
+
+
 def plan_hash(plan_text: str) -> str:
     """The identity of a plan: programs carry it so the runtime can refuse a mismatch."""
     return hashlib.sha256(plan_text.encode()).hexdigest()[:16]
@@ -94,8 +108,7 @@ def compile_schedule(
     """Build a registered family's schedule, then lower, simulate and verify it (the options
     are `Options`'). The family sees the memory limit unless eviction or bytes enforce it."""
     opts = Options(costs, memory_limit, model, dp, evict, mapping, limit_in_bytes)
-    if dp < 1:
-        raise PipecError(f"--dp must be at least 1 (got {dp})")
+    check_dp(dp, p)
     v = family(schedule).default_v if v is None else v
     with gc_paused():
         req = Request(p, m, v, costs, None if evict or limit_in_bytes else memory_limit)

@@ -41,12 +41,41 @@ def record(spec: str, model) -> dict:  # type: ignore[no-untyped-def]
     return entry
 
 
+def check_factory(model_plan: dict, build: Path) -> None:
+    """Raise PipecError when the plan's factory file is not the one its spec names, or still
+    exists with other content than the plan recorded (edited after compiling): the plan's hash
+    covers the factory's sha256, and a rank must not run code the plan does not."""
+    spec = model_plan["spec"]
+    factory = model_plan.get("factory") or {}
+    if "file" not in factory:
+        return
+    recorded = Path(factory["file"])
+    written = Path(_file_of(spec) or "")
+    # The spec as written names the file's last parts (after any '..'), or all of it.
+    tail = written.resolve().parts if written.is_absolute() else written.parts
+    tail = tail[max((i + 1 for i, part in enumerate(tail) if part == ".."), default=0) :]
+    if not tail or recorded.parts[-len(tail) :] != tail:
+        raise PipecError(
+            f"{build}/plan.json: its factory file {recorded} is not the file of its spec {spec} "
+            "(the plan was edited); recompile"
+        )
+    if recorded.is_file() and file_sha256(recorded) != factory["sha256"]:
+        name = spec.rpartition(":")[2]
+        raise PipecError(
+            f"{recorded}: the model's factory changed since {build} was compiled (its sha256 is "
+            "not the plan's); recompile, or run it as it is now with "
+            f"--model {recorded}:{name}"
+        )
+
+
 def resolve(model_plan: dict, override: str | None, build: Path) -> str:
-    """The spec a run loads: `override` (--model) if given; for a path spec, the file recorded
-    at compile time, else the spec as written if that file has the recorded hash; a module spec
-    as written (it is found on PYTHONPATH). A factory file that moved is one line naming it."""
+    """The spec a run loads: `override` (--model) if given, which accepts a changed factory;
+    for a path spec, the file recorded at compile time if it still has the recorded sha256
+    (`check_factory`), else the spec as written if that file has it; a module spec as written
+    (it is found on PYTHONPATH). A factory file that moved or changed is one line naming it."""
     if override:
         return override
+    check_factory(model_plan, build)
     spec = model_plan["spec"]
     factory = model_plan.get("factory") or {}
     if "file" not in factory:

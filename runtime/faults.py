@@ -5,11 +5,17 @@ when. When one instruction takes longer than the timeout (a receive whose peer d
 a collective a peer never joins), it prints one line naming this rank, the instruction, its
 line in the program and the peer it waits on, and ends the process with `EXIT_FAULT`.
 
-torchrun stops the remaining ranks with SIGTERM once one fails. A Python signal handler would
-only run after the blocking C++ wait returns, so instead SIGTERM is blocked in every thread
-(`take_termination_signals`, called before torch starts its threads) and the watchdog takes it
-with `sigtimedwait`, reporting where its rank was stopped. gloo's own timeout is set to the same
-bound (`init_process_group(timeout=...)`), so a wait on a dead peer also fails on its own.
+SIGTERM and SIGINT come from torchrun, which passes them on when it is stopped (a cluster
+preempting the job, `pipec run` stopped) and sends SIGTERM once a rank has failed. A Python
+signal handler would only run after the blocking C++ wait returns, so instead both are blocked
+in every thread (`take_termination_signals`, called before torch starts its threads) and the
+watchdog takes them with `sigtimedwait`. The first asks the rank to stop (`stopping`): the
+training loop finishes the step under way, agrees with the other ranks to stop after it, saves
+a last checkpoint and exits. A rank that cannot finish its step, because it has waited on one
+instruction for `STALL_S` (a dead or hung peer: torchrun's failure stop) or has not exited
+`GRACE_S` after the signal, or that gets a second signal, is ended at once with a line saying
+where it was. gloo's own timeout is set to the same bound as the watchdog's
+(`init_process_group(timeout=...)`), so a wait on a dead peer also fails on its own.
 
 This module must not import torch: launch.py calls `take_termination_signals` first.
 """
@@ -25,11 +31,18 @@ from collections.abc import Callable
 
 EXIT_FAULT = 3
 DEFAULT_TIMEOUT_S = 60.0
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+# After a stop signal: an instruction waited on this long will not finish (its peer is gone);
+# the whole stop (the step, the last checkpoint) takes at most GRACE_S, under the 30 s torchrun
+# waits before it kills its ranks.
+STALL_S = 5.0
+GRACE_S = 20.0
 
 
 def take_termination_signals() -> None:
-    """Block SIGTERM in this thread and the threads it starts later; the watchdog takes it."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    """Block SIGTERM and SIGINT in this thread and the threads it starts later; the watchdog
+    takes them."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
 def report(message: str) -> None:
@@ -53,7 +66,10 @@ class Watchdog:
         self.current: tuple[int, float] | None = None
         self.last: int | None = None  # the last instruction entered, for faults between steps
         self._stop = threading.Event()
-        self._takes_sigterm = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        self.stopping = threading.Event()  # a stop signal came: finish this step, then stop
+        self.signal_name = ""
+        self._signalled_at = 0.0
+        self._takes_signals = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
         self._thread = threading.Thread(target=self._watch, name="pipec-watchdog", daemon=True)
         self._thread.start()
 
@@ -79,14 +95,26 @@ class Watchdog:
     def _watch(self) -> None:
         poll = min(1.0, self.timeout / 10)
         while not self._stop.is_set():
-            if self._takes_sigterm:
-                if signal.sigtimedwait([signal.SIGTERM], poll) is not None:
-                    report(
-                        f"{self.where()}: stopped by SIGTERM "
-                        "(torchrun stops every rank when one fails)"
-                    )
+            if self._takes_signals:
+                got = signal.sigtimedwait(STOP_SIGNALS, poll)
+                if got is not None:
+                    self._signalled(signal.Signals(got.si_signo).name)
             else:
                 time.sleep(poll)
-            where = self.current
-            if where is not None and time.perf_counter() - where[1] > self.timeout:
+            where, now = self.current, time.perf_counter()
+            if where is not None and now - where[1] > self.timeout:
                 report(f"{self.describe(where[0])}: no progress for {self.timeout:g} s")
+            if not self.stopping.is_set():
+                continue
+            if where is not None and now - where[1] > STALL_S:
+                report(f"{self.where()}: stopped by {self.signal_name} (its step cannot finish)")
+            if now - self._signalled_at > GRACE_S:
+                report(f"{self.where()}: stopped by {self.signal_name}, not done in {GRACE_S:g} s")
+
+    def _signalled(self, name: str) -> None:
+        """The first stop signal asks for a stop after this step; a second one ends it now."""
+        if self.stopping.is_set():
+            report(f"{self.where()}: stopped by a second {name}")
+        self.signal_name = name
+        self._signalled_at = time.perf_counter()
+        self.stopping.set()

@@ -39,6 +39,7 @@ from pipec.build_dir import MEASURED, Build, check_build, load, title
 from pipec.frontend import FrontendError, load_factory
 from pipec.ir import Op, PipecError
 from pipec.provenance import check_model, resolve
+from pipec.run_checks import check_writable
 from runtime.data import open_source
 from runtime.faults import DEFAULT_TIMEOUT_S, Watchdog, report
 from runtime.gradcheck import GradCapture, compare, reference_grads
@@ -113,32 +114,36 @@ def train(
 ) -> list[StepTrace]:
     """Run the program for steps start+1 … `steps`; after each, `after_step(step)` (every rank,
     before the next step's barrier: checkpoints) and later `on_step(step - 1, mean loss, trace)`.
+    Returns the steps' traces: fewer than asked when a stop signal came (`watchdog.stopping`).
 
     The only collectives are the barrier before each step and the loss sum after it. The sum
     is asynchronous and awaited after the next barrier, so a rank that stops between steps is
-    met in the barrier, which names it, never in the sum, where nobody could.
+    met in the barrier, which names it, never in the sum, where nobody could. The sum also
+    counts the ranks asked to stop, so that all of them stop after the same step.
     """
     traces: list[StepTrace] = []
     pending: tuple[torch.Tensor, dist.Work] | None = None
 
-    def finish_step() -> None:
+    def finish_step() -> bool:
         total, work = pending
         work.wait()
-        loss_sum, count = total.tolist()
+        loss_sum, count, stopping = total.tolist()
         if on_step:
             on_step(
                 start + len(traces) - 1, loss_sum / count if count else float("nan"), traces[-1]
             )
+        return stopping > 0
 
     for step in range(start, steps):
         # Every step starts together: one clock origin for all ranks.
         step_barrier(f"before step {step + 1}", watchdog.timeout)
-        if pending:
-            finish_step()
+        if pending and finish_step():
+            return traces
         rt.new_step()
         traces.append(run_program(rt, handlers, watchdog))
+        stop = float(watchdog.stopping.is_set())
         total = torch.tensor(
-            [sum(rt.losses.values()), len(rt.losses)], dtype=torch.float64, device=rt.device
+            [sum(rt.losses.values()), len(rt.losses), stop], dtype=torch.float64, device=rt.device
         )
         rt.losses.clear()
         pending = total, dist.all_reduce(total, async_op=True)
@@ -185,8 +190,11 @@ class Run:
     start: int
 
 
-def preflight(build_dir: Path, args: argparse.Namespace, world: int, local_world: int) -> Run:
-    """The checks whose verdict is the same on every rank; PipecError names the defect."""
+def preflight(
+    build_dir: Path, args: argparse.Namespace, world: int, local_world: int, say: bool = True
+) -> Run:
+    """The checks whose verdict is the same on every rank; PipecError names the defect. `say`:
+    this rank prints the notices (a damaged newest checkpoint skipped)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.share_gpu:
         if args.backend == "nccl":
@@ -221,6 +229,8 @@ def preflight(build_dir: Path, args: argparse.Namespace, world: int, local_world
     except FrontendError as e:
         raise PipecError(f"{e}; pass --model path/to/file.py:factory if it moved") from None
     check_model(factory.model, model_plan, spec)
+    if args.save:
+        check_writable(args.save)  # now, not after training
     if args.save and checkpoint.checkpoints(args.save) and not args.resume:
         raise PipecError(
             f"--save {args.save} already holds checkpoints (newest "
@@ -229,7 +239,10 @@ def preflight(build_dir: Path, args: argparse.Namespace, world: int, local_world
         )
     resume, start = None, 0
     if args.resume:
-        resume = checkpoint.latest(args.resume)
+        resume, skipped = checkpoint.newest_intact(args.resume)
+        if say:
+            for line in skipped:
+                print(f"pipec runtime: notice: {line}", file=sys.stderr, flush=True)
         checkpoint.check_fits(resume, factory.model)
         start = checkpoint.saved_step(resume)
         if start >= args.steps and not args.check_grads:
@@ -255,7 +268,7 @@ def main(
     args.backend = args.backend or ("nccl" if cuda else "gloo")
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
     try:
-        run = preflight(build_dir, args, world, local_world)
+        run = preflight(build_dir, args, world, local_world, say=grank == 0)
     except PipecError as e:  # every rank found the same: rank 0 says it, nobody waits
         if grank == 0:
             print(f"pipec runtime: {e}", file=sys.stderr, flush=True)
@@ -283,13 +296,20 @@ def main(
             log = _log_step(args.steps, saved) if grank == 0 else None
             save = saver(rt, args.save, args.save_every, args.steps, saved) if args.save else None
             traces = train(rt, args.steps, handlers, watchdog, log, run.start, save)
-            write_measurements(rt, traces, min(args.skip, len(traces) - 1))
+            done = run.start + len(traces)
+            if done < args.steps:  # stopped by a signal: keep what was trained
+                stopped(rt.grank, watchdog.signal_name, done, args.steps, save, saved)
+            else:
+                write_measurements(rt, traces, min(args.skip, len(traces) - 1))
     except Exception as e:  # noqa: BLE001 - any failure: say where this rank was, then exit
         report(f"{watchdog.where()}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
     watchdog.stop()
     dist.destroy_process_group()
-    if failed:
-        sys.exit(1)
+    # End now: the interpreter's teardown of torch's threads took seconds more here, which a
+    # stopped run (torchrun waits for its ranks) must not spend.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failed else 0)
 
 
 def rank_device(backend: str, share_gpu: bool, local_rank: int) -> torch.device:
@@ -308,7 +328,7 @@ def restore(rt: Rank, resume: Path | None, seed: int, optimizer: bool = True) ->
     """Load checkpoint `resume` (if any) into this rank's stages (and, with `optimizer`, its
     optimizer's state), and open the data where it stopped; returns the step to continue from."""
     opt = rt.optimizer if optimizer else None
-    start = checkpoint.load(resume, rt.modules.values(), opt) if resume else 0
+    start = checkpoint.load(resume, rt.modules.values(), opt, check=False) if resume else 0
     rt.data = open_source(rt.spec, rt.layout.m * rt.dp, seed, start)
     return start
 
@@ -316,20 +336,41 @@ def restore(rt: Rank, resume: Path | None, seed: int, optimizer: bool = True) ->
 def saver(
     rt: Rank, directory: Path, every: int, last: int, saved: dict[int, Path]
 ) -> Callable[[int], None]:
-    """After step k: a checkpoint in `directory` when k is a multiple of `every` (0: never) or
-    is the `last` step; its path goes into `saved`, for the step's log line.
+    """After step k: a checkpoint in `directory` when k is a multiple of `every` (0: never), is
+    the `last` step, or is `force`d (a stop); its path goes into `saved`, for the log line.
 
     One copy of each stage is written: the first pipeline's stages (bidirectional schedules
     hold a replica of each in the second) of the first data-parallel copy."""
     first = set(rt.layout.pipelines[0].stages)
     mine = [m for s, m in rt.modules.items() if s in first] if rt.dp_index == 0 else []
 
-    def save(step: int) -> None:
-        if step == last or (every and step % every == 0):
+    def save(step: int, force: bool = False) -> None:
+        if force or step == last or (every and step % every == 0):
             state = checkpoint.state_dict(mine, rt.optimizer)
             saved[step] = checkpoint.save(directory, step, state)
 
     return save
+
+
+def stopped(
+    grank: int,
+    signal_name: str,
+    done: int,
+    steps: int,
+    save: Callable[..., None] | None,
+    saved: dict[int, Path],
+) -> None:
+    """After a stop signal: a last checkpoint of the `done` steps (unless step `done` was just
+    saved), and rank 0's line saying where the run stopped."""
+    if save is not None and done not in saved and done > 0:
+        save(done, force=True)
+    if grank == 0:
+        kept = f"; checkpoint {saved[done]}" if done in saved else ""
+        print(
+            f"pipec runtime: stopped by {signal_name} after step {done} of {steps}{kept}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def check_grads(

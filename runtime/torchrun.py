@@ -1,22 +1,28 @@
 """How pipec starts torchrun: this interpreter's torch.distributed.run, on a free port; and
-`pipec run BUILD`, which runs a build under it and says last what went wrong.
+`pipec run BUILD`, which checks the run, runs the build under torchrun, passes a stop signal
+on to every rank and says last what went wrong.
 
-`--standalone` lets torchrun pick a free rendezvous port, so runs (and tests of several
-engineers on one machine) never collide on a fixed one; the checkout goes on PYTHONPATH so a
+The rendezvous is torchrun's c10d store on 127.0.0.1, port 0 (a free one, so runs and tests of
+several engineers on one machine never collide): a run on this machine listens on no other
+interface (`--standalone` would listen on all of them). The checkout goes on PYTHONPATH so a
 fresh clone runs without installing pipec.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipec.ir import PipecError
+from runtime.faults import GRACE_S
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +30,8 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 def torchrun(script: Path, nproc: int, *args: str) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that run `script` on `nproc` local ranks."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", uuid.uuid4().hex,
         "--nproc-per-node", str(nproc), str(script), *args,
     ]  # fmt: skip
     path = os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))
@@ -38,38 +45,116 @@ _MESSAGE = "pipec runtime: "
 def run_build(build: Path, nproc: int | None, args: Sequence[str]) -> int:
     """Train `build` under torchrun on this machine; its output passes through as it comes.
 
+    First `check_run` (one line, before any rank starts). torchrun runs in a session of its
+    own, so only pipec decides what reaches it: SIGTERM, SIGINT or SIGHUP to pipec is passed on
+    as SIGTERM (torchrun passes it to every rank, which finishes its step, saves when --save
+    is set and exits; see runtime/faults.py), a second one kills torchrun and its ranks.
+
     On failure torchrun ends with its own report (a ChildFailedError traceback and a table of
     failed ranks) below the line a rank printed to say what went wrong. Once a rank has said
     why, that report is condensed to one line (`_Condense`); without such a line it passes
     through whole, since it is then all there is. The rank's line is repeated last, as
     `pipec run: ...`, and the first failed rank's exit code returned (2: bad input, nothing
-    ran; 3: a fault during the run; 1: --check-grads found a difference).
+    ran; 3: a fault during the run; 1: --check-grads found a difference; 128 + the signal's
+    number after a stop).
     """
-    plan_file = Path(build) / "plan.json"
-    if not (Path(build) / "launch.py").is_file() or not plan_file.is_file():
-        raise PipecError(
-            f"{build}: no launch.py here; compile a model with `pipec compile MODEL ... --out DIR`"
-        )
-    plan = json.loads(plan_file.read_text())
-    cmd, env = torchrun(
-        Path(build) / "launch.py", nproc or plan["world"] * plan.get("dp", 1), *args
-    )
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    from pipec.run_checks import check_run
+
+    ranks = check_run(Path(build), nproc, args)
+    if ranks is None:  # --help: printed
+        return 0
+    cmd, env = torchrun(Path(build) / "launch.py", ranks, *args)
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stop = _Forward(proc)
     messages, codes = [], []
     condense = _Condense()
-    for line in proc.stderr:
-        if _MESSAGE in line:
-            messages.append(line[line.index(_MESSAGE) + len(_MESSAGE) :].strip())
-        elif m := _EXITCODE.search(line):
-            codes.append(int(m[1]))
-        sys.stderr.write(condense(line, bool(messages)))
-    sys.stderr.write(condense.rest())
-    code = proc.wait()
+    with stop:
+        for line in proc.stderr:
+            if _MESSAGE in line:
+                messages.append(line[line.index(_MESSAGE) + len(_MESSAGE) :].strip())
+            elif m := _EXITCODE.search(line):
+                codes.append(int(m[1]))
+            sys.stderr.write(condense(line, bool(messages) or bool(stop.signum)))
+        sys.stderr.write(condense.rest())
+        code = proc.wait()
+    if stop.signum:
+        said = next((m for m in messages if m.startswith("stopped by")), None)
+        print(f"pipec run: {said or f'stopped by {signal.Signals(stop.signum).name}'}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 128 + stop.signum
     if code == 0:
         return 0
     said = messages[0] if messages else "a rank failed without a message; see torchrun's report"
     print(f"pipec run: {said}", file=sys.stderr, flush=True)
     return codes[0] if codes and codes[0] > 0 else code
+
+
+class _Forward:
+    """While in use, pipec's stop signals go to torchrun: the first as SIGTERM (a stop after
+    the step under way), a second as SIGKILL to torchrun and every process under it. After the
+    first, a thread bounds the stop: torchrun gets `LINGER_S` once its ranks are gone (its own
+    teardown took seconds more here), everything `GRACE_S` + `LINGER_S` in all."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    LINGER_S = 1.0
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.signum = 0
+        self._before: dict[int, object] = {}
+
+    def __enter__(self) -> None:
+        for sig in self.SIGNALS:
+            self._before[sig] = signal.signal(sig, self._on_signal)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signum:
+            self._kill()
+            return
+        self.signum = signum
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGTERM)
+        threading.Thread(target=self._bound, daemon=True).start()
+
+    def _bound(self) -> None:
+        deadline = time.monotonic() + GRACE_S + self.LINGER_S
+        ranks_gone = None
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            if ranks_gone is None and not _descendants(self.proc.pid):
+                ranks_gone = time.monotonic()
+            if ranks_gone is not None and time.monotonic() - ranks_gone > self.LINGER_S:
+                break
+            time.sleep(0.1)
+        self._kill()
+
+    def _kill(self) -> None:
+        """SIGKILL torchrun and every process under it (if it has not exited yet)."""
+        if self.proc.poll() is not None:
+            return
+        for pid in [*_descendants(self.proc.pid), self.proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under `pid` (Linux /proc), children first."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found
 
 
 class _Condense:
@@ -108,6 +193,8 @@ class _Condense:
         if line[:1].isspace():
             return ""
         held, self.held = "".join(self.held), []
+        if "SignalException" in line:  # torchrun's own, when stopped: pipec's line says it
+            return ""
         if "ChildFailedError" in line:
             self.rules = 1
             return ""

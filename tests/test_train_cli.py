@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from pipec import checkpoint
 from pipec.build_dir import check_build, emit, load
@@ -273,8 +272,17 @@ def _killed_save(directory: Path, model: torch.nn.Module, where: str) -> None:
         def die(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
             os.kill(os.getpid(), signal.SIGKILL)
 
-        if where == "before metadata":  # every data file written, .metadata not yet
-            dcp.FileSystemWriter.finish = die
+        if where == "mid-file":  # the tensor file half written
+            real = checkpoint.save_file
+
+            def half(tensors, filename, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+                real(tensors, filename, *args, **kwargs)
+                os.truncate(filename, os.path.getsize(filename) // 2)
+                die()
+
+            checkpoint.save_file = half
+        elif where == "before the manifest":  # every data file written, the manifest not yet
+            checkpoint._write_manifest = die
         else:  # the checkpoint complete in its partial directory, not yet renamed
             Path.rename = die
         checkpoint.save(directory, 9, checkpoint.state_dict([model], None))
@@ -283,7 +291,7 @@ def _killed_save(directory: Path, model: torch.nn.Module, where: str) -> None:
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
 
 
-@pytest.mark.parametrize("where", ["before metadata", "before the rename"])
+@pytest.mark.parametrize("where", ["mid-file", "before the manifest", "before the rename"])
 def test_a_save_killed_mid_write_leaves_the_last_checkpoint(tmp_path, where):
     spec = load_factory(GPT)
     checkpoint.save(tmp_path, 3, checkpoint.state_dict([spec.model], None))

@@ -163,7 +163,7 @@ def load_factory(
         result = factory(**{MICRO_BATCH_SIZE: micro_batch_size}) if sized else factory()
     except FrontendError:
         raise
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise FrontendError(
             f"model spec {spec!r}: the factory raised {type(e).__name__}: {e}"
         ) from e
@@ -235,7 +235,7 @@ def _import(spec: str, where: str) -> ModuleType:
         sys.modules[mod_name] = module  # dataclasses and pickling look the module up by name
         try:
             loader_spec.loader.exec_module(module)
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # a factory's sys.exit is its error too
             del sys.modules[mod_name]
             raise FrontendError(
                 f"model spec {spec!r}: importing {where} raised {type(e).__name__}: {e}"
@@ -252,7 +252,7 @@ def _import(spec: str, where: str) -> ModuleType:
         raise FrontendError(
             f"model spec {spec!r}: importing {where} raised ModuleNotFoundError: {e}"
         ) from e
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise FrontendError(
             f"model spec {spec!r}: importing {where} raised {type(e).__name__}: {e}"
         ) from e

@@ -1,0 +1,80 @@
+"""What `pipec run` checks before it starts torchrun, so that a bad option costs no launch.
+
+The launch options are parsed by launch.py's own parser (runtime/main.py), so every option
+the runtime knows is checked here the same way, in one line; the build must load (a corrupted
+plan.json or program is named), its launch.py and model factory must be the plan's (pipec run
+executes them), `--nproc` must be the build's P·D ranks, and a `--save` directory must take a
+file (a probe, written and removed) before any rank trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipec.ir import PipecError
+
+
+def launch_options(args: Sequence[str]) -> argparse.Namespace | None:
+    """`args` parsed as launch.py would; PipecError with argparse's message in one line.
+    None for `--help` (printed here; there is nothing to run)."""
+    # launch.py's own parser, so options added to it are checked here too (torch: only now).
+    from runtime.main import _parse as parse_launch
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse_launch(list(args))
+    except SystemExit as e:
+        if not e.code:
+            return None
+        said = [line for line in err.getvalue().splitlines() if line.strip()]
+        reason = said[-1].removeprefix("launch.py: error: ") if said else "bad launch options"
+        raise PipecError(f"launch option: {reason}; BUILD/launch.py --help lists them") from None
+
+
+def check_writable(directory: Path, option: str = "--save") -> None:
+    """Raise PipecError unless files can be written in `directory` (created if missing)."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise PipecError(f"{option} {directory} is a file; name a directory for the checkpoints")
+    probe = directory / f".pipec-probe-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise PipecError(
+            f"{option} {directory}: cannot write there ({e.strerror}); choose a writable directory"
+        ) from None
+
+
+def check_run(build: Path, nproc: int | None, args: Sequence[str]) -> int | None:
+    """Every check `pipec run BUILD [--nproc N] ARGS` makes before starting torchrun; returns
+    the number of ranks to start, or None when only `--help` was asked for."""
+    from pipec.build_dir import check_launch, load
+    from pipec.provenance import check_factory
+
+    if not (Path(build) / "launch.py").is_file():
+        raise PipecError(
+            f"{build}: no launch.py here; compile a model with `pipec compile MODEL ... --out DIR`"
+        )
+    loaded = load(build)
+    ranks = loaded.compiled.world * int(loaded.plan.get("dp", 1))
+    if nproc is not None and nproc != ranks:
+        raise PipecError(
+            f"--nproc {nproc}: this build runs {ranks} ranks, all on this machine; drop --nproc"
+        )
+    options = launch_options(args)
+    if options is None:
+        return None
+    check_launch(loaded)  # pipec run executes it: it must be the plan's
+    if loaded.plan.get("model") is not None and options.model is None:
+        check_factory(loaded.plan["model"], loaded.path)
+    if options.save is not None:
+        check_writable(options.save)
+    return ranks
