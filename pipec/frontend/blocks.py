@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from itertools import groupby, pairwise
+from itertools import groupby
 
 from torch import fx, nn
 
+from codegen.partition import block_names, describe
 from pipec.frontend.spec import FrontendError
 
 
@@ -42,24 +43,11 @@ class Stacks:
 
     def names(self) -> list[str]:
         """Qualified names of all blocks, in order (`encoder.block.0`, …, `decoder.block.5`)."""
-        return [f"{path}.{i}" if path else str(i) for path, n in self.stacks for i in range(n)]
-
-    def span(self, first: int, stop: int) -> str:
-        """Blocks [first, stop) as ranges per stack: `encoder.block.4-5 decoder.block.0-1`."""
-        names = self.names()[first:stop]
-        parts = []
-        for prefix, group in groupby(names, key=lambda n: n.rpartition(".")[0]):
-            idx = [n.rpartition(".")[2] for n in group]
-            dotted = f"{prefix}." if prefix else ""
-            parts.append(f"{dotted}{idx[0]}" + (f"-{idx[-1]}" if len(idx) > 1 else ""))
-        return " ".join(parts)
+        return block_names(self.stacks)
 
     def describe(self) -> str:
         """Each stack with its block range: `encoder.block.0-5, decoder.block.0-5`."""
-        starts = [0]
-        for _, n in self.stacks:
-            starts.append(starts[-1] + n)
-        return ", ".join(self.span(a, b) for a, b in pairwise(starts))
+        return describe(self.stacks)
 
     def pattern(self) -> re.Pattern[str]:
         """Matches a qualified name inside a block: the stack's path (group 1), index (2)."""
