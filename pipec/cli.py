@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
+from codegen.partition import partition_text
 from codegen.render import bytes_table, measured_table, terminal_gantt
 from passes.costs import CostModel, parse_costs, parse_mem
 from passes.evict import amount
@@ -452,6 +453,8 @@ def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
         f"makespan {sim.makespan:.6g}{' ' + unit if unit else ''}, bubble {sim.bubble:.4f}, "
         f"span_bubble {sim.span_bubble:.4f}"
     )
+    if "model" in result.plan:
+        click.echo(partition_text(result.plan["model"], result.compiled.layout))
     if result.plan.get("evict"):
         click.echo(_eviction_line(sim, result.compiled.layout, result.costs, result.plan))
     if note:
@@ -515,6 +518,8 @@ def show(directory: Path, lines: int, width: int, as_json: bool) -> None:
         click.echo(json.dumps(_show_json(build, sim, _measured(directory)), sort_keys=True))
         return
     click.echo(f"{c.schedule} p={c.p} m={c.m} v={c.v} plan {build.plan_hash}")
+    if "model" in build.plan:
+        click.echo(partition_text(build.plan["model"], c.layout))
     for rank, program in enumerate(c.programs):
         shown = program if lines <= 0 else program[:lines]
         click.echo(f"-- rank {rank} ({len(program)} instructions)")

@@ -5,16 +5,76 @@ the step would apply: after the replica, data-parallel and tied-parameter sums),
 reference itself, `loss.backward()` of the unsplit model over the same micro-batches with the
 same 1/n weights, and compares each of its stages' parameters with `torch.testing.assert_close`
 (the dtype's default tolerances). The reference holds the whole model on each rank's device.
+
+Dropout is off in both (`DropoutOff`): the pipeline draws its masks stage by stage on each rank,
+in schedule order, a plain model in one stream, so their masks (and gradients) differ by design.
+BatchNorm needs nothing: both compute the statistics of each micro-batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from runtime.data import MicroBatch
+
+aten = torch.ops.aten
+F = torch.nn.functional
+#: Functions taking a dropout probability, and where: (position in args, keyword).
+_DROPOUTS: dict[Callable[..., Any], tuple[int, str]] = {
+    **dict.fromkeys(
+        (
+            F.dropout,
+            F.dropout1d,
+            F.dropout2d,
+            F.dropout3d,
+            F.alpha_dropout,
+            F.feature_alpha_dropout,
+            torch.dropout,
+            torch.feature_dropout,
+            torch.alpha_dropout,
+            torch.feature_alpha_dropout,
+            aten.dropout.default,
+            aten.native_dropout.default,
+            aten.feature_dropout.default,
+            aten.alpha_dropout.default,
+            aten.feature_alpha_dropout.default,
+        ),
+        (1, "p"),
+    ),
+    F.scaled_dot_product_attention: (4, "dropout_p"),
+    aten.scaled_dot_product_attention.default: (4, "dropout_p"),
+}
+
+
+class DropoutOff(TorchFunctionMode):
+    """While active, every dropout (module, functional, ATen op of a captured graph, SDPA's
+    `dropout_p`) runs with probability 0, which is the identity; `dropped` counts the calls
+    that asked for more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = dict(kwargs or {})
+        where = _DROPOUTS.get(func)
+        if where is not None:
+            index, name = where
+            if name in kwargs:
+                p, kwargs[name] = kwargs[name], 0.0
+            elif len(args) > index:
+                p, args = args[index], (*args[:index], 0.0, *args[index + 1 :])
+            else:
+                p = 0.5 if name == "p" else 0.0  # the defaults: F.dropout's p, SDPA's none
+                kwargs[name] = 0.0
+            self.dropped += bool(p)
+        return func(*args, **kwargs)
 
 
 class GradCapture:

@@ -42,7 +42,7 @@ from pipec.provenance import check_model, resolve
 from pipec.run_checks import check_writable
 from runtime.data import open_source
 from runtime.faults import DEFAULT_TIMEOUT_S, Watchdog, report
-from runtime.gradcheck import GradCapture, compare, reference_grads
+from runtime.gradcheck import DropoutOff, GradCapture, compare, reference_grads
 from runtime.interpreter import HANDLERS, Handler, StepTrace, check_program, run_program
 from runtime.measure import rank_report, summarize, timeline, write
 from runtime.rank import Rank, check_runnable
@@ -376,15 +376,18 @@ def stopped(
 def check_grads(
     rt: Rank, run: Run, handlers: Mapping[Op, Handler], watchdog: Watchdog, seed: int
 ) -> bool:
-    """One step, then every stage's gradients against the plain model's on the same batch;
-    rank 0 prints one line per stage. True when a stage differs (on every rank)."""
-    train(rt, run.start + 1, handlers, watchdog, start=run.start)
+    """One step, then every stage's gradients against the plain model's on the same batch, both
+    with dropout off (`DropoutOff`); rank 0 prints one line per stage. True when a stage
+    differs (on every rank)."""
+    with DropoutOff():
+        train(rt, run.start + 1, handlers, watchdog, start=run.start)
     model_plan = rt.build.plan["model"]
     plain = load_factory(run.spec, model_plan["seed"], model_plan.get("micro_batch_size"))
     if run.resume:
         checkpoint.load(run.resume, [plain.model])
     batches = open_source(plain, rt.layout.m * rt.dp, seed, run.start).next()
-    ref = reference_grads(plain.model, plain.loss_fn, batches, rt.device)
+    with DropoutOff() as off:
+        ref = reference_grads(plain.model, plain.loss_fn, batches, rt.device)
     checks = compare(rt.modules, rt.grank, rt.optimizer.grads, ref)
     everyone: list = [None] * rt.world
     dist.all_gather_object(everyone, checks)
@@ -396,6 +399,13 @@ def check_grads(
             "loss.backward() of the unsplit model (torch.testing.assert_close tolerances)",
             flush=True,
         )
+        if off.dropped:
+            print(
+                f"check-grads: dropout off in both ({off.dropped} dropout calls with p > 0 "
+                "ran with p = 0): the pipeline draws masks per stage and rank, not as one "
+                "process does",
+                flush=True,
+            )
         print("\n".join(c.line() for c in found), flush=True)
         if bad:
             print(

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipec.frontend import ModelSpec, load_factory, split_model
-from pipec.frontend.partition import find_blocks
+from pipec.frontend.blocks import find_blocks
 from runtime.kernels import attention
 
 flash = sys.modules["runtime.kernels.flash"]
@@ -254,7 +254,7 @@ def run_example(spec: str, backend: str, monkeypatch, backward: bool = False):
     if backward:
         ms.loss_fn(out, ms.example_target.to(DEVICE)).backward()
         grads = [p.grad for p in model.parameters()]
-    return out.detach(), grads, len(calls), find_blocks(model)[1]
+    return out.detach(), grads, len(calls), find_blocks(model).n_blocks
 
 
 @pytest.mark.parametrize("spec", EXAMPLES)
@@ -294,7 +294,7 @@ def test_exported_stages_run_the_kernel_forward_and_backward(monkeypatch: pytest
     with warnings.catch_warnings():
         warnings.simplefilter("error", dispatch.KernelFallback)
         ms.loss_fn(stages[1](stages[0](*x)), target).backward()
-    blocks = find_blocks(model)[1]
+    blocks = find_blocks(model).n_blocks
     assert launches == {"forward": blocks, "backward": blocks}
     grads = {n: p.grad.clone() for stage in stages for n, p in stage.named_parameters()}
     monkeypatch.setenv("PIPEC_ATTENTION", "sdpa")

@@ -12,7 +12,6 @@ tensors (data-dependent shapes) is counted on its real inputs instead.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
+from pipec.frontend.blocks import Stacks
 from runtime.bwsplit import B, W, split_backward
 
 aten = torch.ops.aten
@@ -119,34 +119,36 @@ def count_flops(
     stages: list[fx.GraphModule],
     inputs: list[tuple[Tensor, ...]],
     starts: list[int],
-    blocks: str,
+    stacks: Stacks,
     loss: Callable[[Any], Tensor],
 ) -> list[Flops]:
     """`stage_flops` of each stage (`loss` on the last), counted once per distinct stage:
     stages whose graphs differ only in which blocks they hold (a decoder's middle stages) have
     the same FLOPs, so an 80-layer model is counted in a few runs. `starts[k]`: the first
-    block of stage k in the container at `blocks`."""
+    block of stage k, counted across the model's `stacks`."""
     counted: dict[str, Flops] = {}
     result = []
     for k, (stage, x) in enumerate(zip(stages, inputs)):
         last = k == len(stages) - 1
-        key = _signature(stage, x, blocks, starts[k]) + f"|last={last}"
+        key = _signature(stage, x, stacks, starts[k]) + f"|last={last}"
         if key not in counted:
             counted[key] = stage_flops(stage, x, loss if last else None)
         result.append(counted[key])
     return result
 
 
-def _signature(stage: fx.GraphModule, inputs: tuple[Tensor, ...], blocks: str, first: int) -> str:
+def _signature(
+    stage: fx.GraphModule, inputs: tuple[Tensor, ...], stacks: Stacks, first: int
+) -> str:
     """The stage's ops (nodes by position, block indices relative to its first block) and its
     parameters' and inputs' shapes: equal for stages that compute the same ops on the same
     shapes."""
-    pattern = re.compile(rf"^{re.escape(blocks)}\.(\d+)" if blocks else r"^(\d+)")
+    pattern = stacks.pattern()
 
     def relative(target: object) -> str:
         if not isinstance(target, str):
             return repr(target)
-        return pattern.sub(lambda m: f"{blocks}.@{int(m[1]) - first}", target)
+        return pattern.sub(lambda m: f"{m[1]}@{stacks.index(m) - first}{m[3]}", target)
 
     position = {n: i for i, n in enumerate(stage.graph.nodes)}
     lines = [f"{tuple(x.shape)} {x.dtype}" for x in inputs]

@@ -115,7 +115,10 @@ class ModelPlan:
     spec: the factory spec (`examples/gpt.py:tiny`), or None when built from a ModelSpec object.
     seed: the torch seed the factory ran under; `build_stages` reuses it.
     n_stages = p · v; replicas: 1, or 2 for bidirectional schedules (two copies of every stage).
-    blocks_path / n_blocks: the ModuleList the model was cut along.
+    blocks_path / n_blocks: the stacks of blocks the model was cut along (their paths,
+        comma-separated) and their blocks in all.
+    stacks: (path, blocks) of each stack in execution order (`pipec.frontend.blocks`); one
+        stack, (blocks_path, n_blocks), when not given.
     partition_mode: "uniform", "balanced" or "explicit"; partition: blocks per stage.
     cost_source: "estimate" (seconds = flops / flops_per_s) or "profile" (measured on `device`).
     tied: groups of (stage, parameter name) holding one shared parameter (e.g. a tied
@@ -143,6 +146,11 @@ class ModelPlan:
     stages: tuple[StageFacts, ...]
     micro_batch_size: int | None = None
     capture: str = "fx"
+    stacks: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.stacks:
+            object.__setattr__(self, "stacks", ((self.blocks_path, self.n_blocks),))
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -168,6 +176,8 @@ class ModelPlan:
         }
         if self.micro_batch_size is not None:  # absent otherwise: older plans keep their hash
             out["micro_batch_size"] = self.micro_batch_size
+        if len(self.stacks) > 1:  # likewise: a one-stack plan is its path and count
+            out["blocks"]["stacks"] = [{"path": p, "count": n} for p, n in self.stacks]
         return out
 
     @staticmethod
@@ -192,6 +202,7 @@ class ModelPlan:
             tuple(StageFacts.from_json(s) for s in d["stages"]),
             d.get("micro_batch_size"),
             d.get("capture", "fx"),
+            tuple((s["path"], s["count"]) for s in d["blocks"].get("stacks", ())),
         )
 
 

@@ -1,12 +1,8 @@
-"""Which block each node of a captured model belongs to, and how many blocks each stage gets.
+"""How many blocks each stage gets.
 
-The *blocks* are the children of the model's longest `nn.ModuleList` (`model.blocks`,
-`model.layers`, `encoder.layers` of `nn.TransformerEncoder`, …), or of its longest
-`nn.Sequential` when it has no ModuleList. Every node belongs to one block (through
-`meta["nn_module_stack"]`); nodes outside the blocks go with the block before them, or with
-block 0 when they come first, so the embedding lands on the first stage and the final norm and
-head on the last. A partition is a list of block counts per stage (each ≥ 1); `stages.split`
-cuts the graph accordingly.
+The blocks are those of every stack the forward runs, numbered across the stacks in execution
+order (`pipec.frontend.blocks`). A partition is a list of block counts per stage (each ≥ 1);
+`stages.split` cuts the graph accordingly.
 
 Policies: `uniform` (equal block counts, the first `L mod S` stages one more), `balanced`
 (contiguous blocks minimising the largest per-stage cost, embedding and head included, then the
@@ -15,69 +11,27 @@ spread of the others), an explicit list, or split points naming the blocks where
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from itertools import pairwise
 
-from torch import fx, nn
-
+from pipec.frontend.blocks import Stacks
 from pipec.frontend.spec import FrontendError
 
 PARTITION_MODES = ("uniform", "balanced")
 
 
-def find_blocks(model: nn.Module) -> tuple[str, int]:
-    """Path and length of the model's longest `nn.ModuleList` (else `nn.Sequential`): its
-    repeated blocks. The path of a model that is itself a Sequential is ""."""
-    for kind in (nn.ModuleList, nn.Sequential):
-        lists = [(len(m), name) for name, m in model.named_modules() if isinstance(m, kind)]
-        lists = [(n, name) for n, name in lists if n > 0]
-        if lists:
-            n, name = max(lists, key=lambda t: t[0])  # max keeps the first of equals
-            return name, n
+def check_fits(stacks: Stacks, n_stages: int, v: int = 1) -> None:
+    """Refuse more stages than blocks, naming the stacks, v and the largest p that fits."""
+    n = stacks.n_blocks
+    if 1 <= n_stages <= n:
+        return
+    if v == 1:
+        fix = f"use -p {n} or fewer"
+    else:
+        fix = f"v={v} stages on each rank, so they fit at most p={n // v} (asked p={n_stages // v})"
     raise FrontendError(
-        f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of blocks; pipec splits a "
-        "model between the blocks of one (e.g. self.blocks = nn.ModuleList(...))"
+        f"cannot split {n} blocks into {n_stages} stages ({stacks.describe()}): {fix}"
     )
-
-
-def block_name(blocks: str, index: int) -> str:
-    """Qualified name of block `index` of the container at `blocks`."""
-    return f"{blocks}.{index}" if blocks else str(index)
-
-
-def block_of_nodes(gm: fx.GraphModule, blocks: str, n_blocks: int) -> dict[fx.Node, int]:
-    """The block index of every node (see the module docstring for nodes outside blocks)."""
-    prefix = re.escape(blocks) + r"\." if blocks else ""
-    pattern = re.compile(rf"^{prefix}(\d+)(\.|$)")
-    result: dict[fx.Node, int] = {}
-    current = 0
-    seen = set()
-    for node in gm.graph.nodes:
-        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-            match = pattern.match(path)
-            if match:
-                current = int(match.group(1))
-                seen.add(current)
-                break
-        result[node] = current
-    # A block without parameters may leave no node (an nn.Identity under torch.export).
-    missing = [i for i in range(n_blocks) if i not in seen and _holds_parameters(gm, blocks, i)]
-    if missing:
-        raise FrontendError(
-            f"{len(missing)} of the {n_blocks} blocks of {blocks or 'the model'} never ran in "
-            f"forward (first: {block_name(blocks, missing[0])}); pipec needs every block "
-            "called once, in order"
-        )
-    return result
-
-
-def _holds_parameters(gm: fx.GraphModule, blocks: str, index: int) -> bool:
-    try:
-        block = gm.get_submodule(block_name(blocks, index))
-    except AttributeError:  # an exported module keeps only the modules holding tensors
-        return False
-    return any(True for _ in block.parameters())
 
 
 def uniform(n_blocks: int, n_stages: int) -> list[int]:
@@ -129,9 +83,7 @@ def resolve(
     """(mode, block counts) for a partition argument: a mode name, "3,2,2,1", or a list."""
     n_blocks = len(block_costs)
     if not 1 <= n_stages <= n_blocks:
-        raise FrontendError(
-            f"cannot split {n_blocks} blocks into {n_stages} stages; use 1 to {n_blocks} stages"
-        )
+        raise FrontendError(f"cannot split {n_blocks} blocks into {n_stages} stages")
     if partition == "uniform":
         return "uniform", uniform(n_blocks, n_stages)
     if partition == "balanced":
@@ -154,23 +106,23 @@ def resolve(
     return "explicit", counts
 
 
-def split_point_counts(
-    points: Sequence[str], blocks: str, n_blocks: int, n_stages: int
-) -> list[int]:
+def split_point_counts(points: Sequence[str], stacks: Stacks, n_stages: int) -> list[int]:
     """Block counts per stage for split points naming the blocks where stages 1, 2, … begin.
 
-    A point is a block's qualified name (`model.layers.4`) or a dotted suffix of it
-    (`layers.4`). Raises `FrontendError` for a point that names no block, points out of order,
-    a point at block 0 (stage 0 would be empty), or a count that does not make `n_stages`.
+    A point is a block's qualified name (`model.layers.4`, `decoder.block.0`) or a dotted suffix
+    of it (`layers.4`), in any of the stacks. Raises `FrontendError` for a point that names no
+    block, points out of order, a point at block 0 (stage 0 would be empty), or a count that
+    does not make `n_stages`.
     """
-    names = [block_name(blocks, i) for i in range(n_blocks)]
+    names = stacks.names()
+    n_blocks = len(names)
     starts = []
     for point in points:
         hits = [i for i, name in enumerate(names) if name == point or name.endswith("." + point)]
         if len(hits) != 1:
             raise FrontendError(
-                f"split point {point!r} names no block of {blocks or 'the model'}; "
-                f"use one of {names[0]} to {names[-1]}"
+                f"split point {point!r} names no block of {stacks.path or 'the model'}; "
+                f"use one of {stacks.describe()}"
             )
         starts.append(hits[0])
     bounds = [0, *starts, n_blocks]

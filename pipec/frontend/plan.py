@@ -16,15 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from pipec.frontend.blocks import Stacks, find_blocks, locate
 from pipec.frontend.boundaries import input_names, named_leaves, run_boundaries
 from pipec.frontend.cost import Flops, count_flops
 from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, measure_stash_bytes
-from pipec.frontend.partition import (
-    block_of_nodes,
-    find_blocks,
-    resolve,
-    split_point_counts,
-)
+from pipec.frontend.partition import check_fits, resolve, split_point_counts
 from pipec.frontend.spec import DEFAULT_SEED, FrontendError, ModelSpec, load_factory
 from pipec.frontend.stages import split
 from pipec.frontend.trace import export, trace
@@ -43,8 +39,7 @@ class _Traced:
     spec: ModelSpec
     gm: fx.GraphModule
     capture: str  # "fx" or "export"
-    blocks_path: str
-    n_blocks: int
+    stacks: Stacks
     block_of: dict[fx.Node, int]
 
 
@@ -84,9 +79,9 @@ def build_model_plan(
         raise FrontendError(f"n_stages={n_stages} must be a positive multiple of v={v} (S = p·v)")
     if replicas not in (1, 2):
         raise FrontendError(f"replicas={replicas}: use 1, or 2 for bidirectional schedules")
-    traced = _trace(spec, seed, None, device, micro_batch_size)
+    traced = _trace(spec, seed, None, device, micro_batch_size, (n_stages, v))
     ms = traced.spec
-    mode, counts = _partition(traced, n_stages, partition, split_points)
+    mode, counts = _partition(traced, n_stages, partition, split_points, v)
     stages = split(traced.gm, traced.block_of, counts)
     inputs, output = run_boundaries(stages, ms)
     loss = _last_loss(ms)
@@ -95,7 +90,7 @@ def build_model_plan(
         measure_stash_bytes(st, x, loss if k == n_stages - 1 else None)
         for k, (st, x) in enumerate(zip(stages, inputs))
     ]
-    stage_costs = count_flops(stages, inputs, starts, traced.blocks_path, loss)
+    stage_costs = count_flops(stages, inputs, starts, traced.stacks, loss)
     if profile:
         from pipec.frontend.profile import profile_stages  # imports the runtime package
 
@@ -134,8 +129,8 @@ def build_model_plan(
         p=n_stages // v,
         v=v,
         replicas=replicas,
-        blocks_path=traced.blocks_path,
-        n_blocks=traced.n_blocks,
+        blocks_path=traced.stacks.path,
+        n_blocks=traced.stacks.n_blocks,
         partition_mode=mode,
         partition=tuple(counts),
         cost_source="profile" if profile else "estimate",
@@ -145,6 +140,7 @@ def build_model_plan(
         stages=tuple(facts),
         micro_batch_size=micro_batch_size,
         capture=traced.capture,
+        stacks=traced.stacks.stacks,
     )
 
 
@@ -157,7 +153,7 @@ def split_model(
     split_points: Sequence[str] | None = None,
 ) -> list[fx.GraphModule]:
     """The model's stages in order; chaining them computes exactly the unsplit forward."""
-    traced = _trace(spec, seed)
+    traced = _trace(spec, seed, fits=(n_stages, 1))
     _, counts = _partition(traced, n_stages, partition, split_points)
     return split(traced.gm, traced.block_of, counts)
 
@@ -181,10 +177,10 @@ def build_stages(
     if spec is None:
         raise FrontendError("the plan was built from a ModelSpec object; pass the factory spec")
     traced = _trace(spec, plan.seed, plan.capture, device, plan.micro_batch_size)
-    if (traced.blocks_path, traced.n_blocks) != (plan.blocks_path, plan.n_blocks):
+    if traced.stacks.stacks != plan.stacks:
         raise FrontendError(
-            f"{spec} now has {traced.n_blocks} blocks in {traced.blocks_path}, the plan "
-            f"{plan.n_blocks} in {plan.blocks_path}; recompile"
+            f"{spec} now has the blocks {traced.stacks.describe()}, the plan "
+            f"{Stacks(plan.stacks).describe()}; recompile"
         )
     modules = split(traced.gm, traced.block_of, list(plan.partition))
     for k in stages:
@@ -205,9 +201,12 @@ def _trace(
     capture: str | None = None,
     device: torch.device | str | None = None,
     micro_batch_size: int | None = None,
+    fits: tuple[int, int] | None = None,
 ) -> _Traced:
     """Capture the model (`capture`, else the spec's choice) and locate its blocks; with
     `device`, first move the model and its example batch there (`--device`, or a rank's own).
+    `fits` (n_stages, v): refuse before capturing when the module tree holds fewer blocks
+    than stages (capture only drops stacks, so the count before it is an upper bound).
 
     "auto" takes torch.export's graph, and torch.fx's only when export fails (then, when fx
     fails too, export's error is the one reported).
@@ -223,9 +222,11 @@ def _trace(
 
         ms = on_device(ms, str(device))
     method = capture or ms.capture
-    blocks_path, n_blocks = find_blocks(ms.model)
+    stacks = find_blocks(ms.model)
+    if fits is not None:
+        check_fits(stacks, *fits)
     if method == "fx":
-        return _located(ms, trace(ms), "fx", blocks_path, n_blocks)
+        return _located(ms, trace(ms), "fx", stacks)
     try:
         gm = export(ms)
     except FrontendError as export_error:
@@ -235,41 +236,43 @@ def _trace(
             gm = trace(ms)
         except FrontendError:
             raise export_error from None
-        return _located(ms, gm, "fx", blocks_path, n_blocks)
-    return _located(ms, gm, "export", blocks_path, n_blocks)
+        return _located(ms, gm, "fx", stacks)
+    return _located(ms, gm, "export", stacks)
 
 
-def _located(
-    ms: ModelSpec, gm: fx.GraphModule, capture: str, blocks_path: str, n_blocks: int
-) -> _Traced:
-    return _Traced(
-        ms, gm, capture, blocks_path, n_blocks, block_of_nodes(gm, blocks_path, n_blocks)
-    )
+def _located(ms: ModelSpec, gm: fx.GraphModule, capture: str, stacks: Stacks) -> _Traced:
+    ran, block_of = locate(gm, stacks)
+    return _Traced(ms, gm, capture, ran, block_of)
 
 
 def _partition(
-    traced: _Traced, n_stages: int, partition: Partition, split_points: Sequence[str] | None
+    traced: _Traced,
+    n_stages: int,
+    partition: Partition,
+    split_points: Sequence[str] | None,
+    v: int = 1,
 ) -> tuple[str, list[int]]:
     """(mode, blocks per stage): from split points if given (argument, else spec), else from
     `partition` (block costs are counted only for "balanced")."""
     points = split_points if split_points is not None else traced.spec.split_points
     if points is not None:
-        counts = split_point_counts(points, traced.blocks_path, traced.n_blocks, n_stages)
-        return "explicit", counts
-    if partition == "balanced" and 1 <= n_stages <= traced.n_blocks:
+        return "explicit", split_point_counts(points, traced.stacks, n_stages)
+    check_fits(traced.stacks, n_stages, v)
+    if partition == "balanced":
         costs = [f.total for f in _block_flops(traced)]
     else:
-        costs = [0] * traced.n_blocks
+        costs = [0] * traced.stacks.n_blocks
     return resolve(partition, costs, n_stages)
 
 
 def _block_flops(traced: _Traced) -> list[Flops]:
     """FLOPs per block: each block cut as a stage of its own and counted; what comes before
     the first block and after the last (embedding, head, loss) counts with them."""
-    blocks = split(traced.gm, traced.block_of, [1] * traced.n_blocks)
+    n = traced.stacks.n_blocks
+    blocks = split(traced.gm, traced.block_of, [1] * n)
     inputs, _ = run_boundaries(blocks, traced.spec)
     loss = _last_loss(traced.spec)
-    return count_flops(blocks, inputs, list(range(traced.n_blocks)), traced.blocks_path, loss)
+    return count_flops(blocks, inputs, list(range(n)), traced.stacks, loss)
 
 
 def _name(spec: str | ModelSpec) -> str:

@@ -1,7 +1,7 @@
 """Cut a captured model's graph into a chain of stage graph modules.
 
 Each node gets a *home* stage: placeholders stage 0, every other node the stage of its block
-(`partition.block_of_nodes`), an `operator.getitem` of a non-tensor value its source's stage.
+(`blocks.locate`), an `operator.getitem` of a non-tensor value its source's stage.
 Then, for every stage:
 
 - Values that need no input (derived only from constants, buffers and shapes: a position

@@ -37,7 +37,7 @@ from pipec.frontend import (
     measure_stash_bytes,
     split_model,
 )
-from pipec.frontend.partition import find_blocks
+from pipec.frontend.blocks import find_blocks
 from pipec.frontend.profile import ProgressBar, _now, on_device, profile_stages
 from pipec.frontend.spec import takes_micro_batch_size
 from pipec.ir import PipecError
@@ -122,7 +122,7 @@ def profile_model(
         ms = load_factory(spec)
         ms = ms if device is None else on_device(ms, device)
         sized = takes_micro_batch_size(spec)
-        n_blocks = find_blocks(ms.model)[1]
+        n_blocks = find_blocks(ms.model).n_blocks
         if n_blocks < p:
             raise PipecError(
                 f"{spec} has {n_blocks} blocks and --pp {p} needs at least one per stage; "

@@ -1,0 +1,44 @@
+"""`launch.py --check-grads` for many builds in ONE torchrun launch (see tests/runtime_harness.py).
+
+    torchrun --standalone --nproc-per-node P tests/check_grads_worker.py CASES.json RESULTS_DIR
+
+For each case ({"name", "build"}) every rank rebuilds its stages and runs `runtime.main.check_grads`
+as launch.py does (one step, its reference, dropout off in both); rank 0's printed report and the
+verdict go to RESULTS_DIR/<rank>.json.
+"""
+
+from runtime.faults import take_termination_signals
+
+take_termination_signals()  # before torch starts threads, as launch.py does
+
+import io
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipec.build_dir import load
+from runtime.faults import Watchdog
+from runtime.gradcheck import GradCapture
+from runtime.interpreter import HANDLERS
+from runtime.main import Run, check_grads, restore
+from runtime.rank import Rank
+from tests.runtime_harness import TIMEOUT_S, serve
+
+
+def run_case(case: dict, watchdog: Watchdog) -> dict:
+    build = load(Path(case["build"]))
+    rt = Rank.prepare(build, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    watchdog.describe = rt.describe
+    rt.connect(GradCapture, TIMEOUT_S)
+    restore(rt, None, 0, optimizer=False)
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        failed = check_grads(rt, Run(build, build.plan["model"]["spec"], None, 0), HANDLERS,
+                             watchdog, 0)  # fmt: skip
+    return {"ok": not failed, "stdout": printed.getvalue()}
+
+
+if __name__ == "__main__":
+    serve(run_case)
