@@ -658,7 +658,8 @@ def _csv(text: str, what: str, kind: type = str) -> list:
     "--save-profile",
     type=click.Path(path_type=Path),
     default=None,
-    help="Write the profile here (default with --out/--json: plan-profile-DIGEST.json).",
+    help="Write the profile here (default: plan-profile-DIGEST.json beside --out's build, "
+    "else, with --json, in the current directory).",
 )
 def plan_cmd(
     model: str,
@@ -733,7 +734,7 @@ def _plan_builds(
     from pipec.plan.saved import SavedProfile, save
 
     req = plan.request
-    saved = save(SavedProfile(plan.profile, req.comm_s, req.machine), save_profile)
+    saved = save(SavedProfile(plan.profile, req.comm_s, req.machine), save_profile, out)
     if not as_json:
         click.echo(render_text(plan, top, (1, pick) if out is not None else (1,)))
         click.echo(f"profile saved to {saved} (pipec compile --plan-profile builds from it)")

@@ -1,4 +1,6 @@
-"""Small helpers shared by the schedule tests."""
+"""Small helpers shared by the tests."""
+
+from pathlib import Path
 
 from passes.costs import CostModel, parse_costs
 from pipec.compile import CompileResult, compile_schedule
@@ -18,3 +20,15 @@ def run(
 
 def peaks(result: CompileResult) -> list[float]:
     return [r.peak_activations for r in result.sim.ranks]
+
+
+def tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `root` (relative path -> size, modification time): compared before
+    and after, it shows whether anything there was written, replaced or removed."""
+    if not root.is_dir():
+        return {}
+    return {
+        str(f.relative_to(root)): (f.stat().st_size, f.stat().st_mtime_ns)
+        for f in sorted(root.rglob("*"))
+        if f.is_file()
+    }

@@ -12,7 +12,7 @@ from pipec import footprint, progress
 from tests.test_cli import ROOT, cli_run
 
 
-def test_a_shape_that_would_not_fit_is_refused_before_building(monkeypatch, capsys):
+def test_a_shape_that_would_not_fit_is_refused_before_building(monkeypatch, capsys, tmp_path):
     """p=100 000 grew without bound (24 GB after minutes); now one line, nothing built."""
     monkeypatch.setattr(footprint, "available_bytes", lambda: 24 * 2**30)
 
@@ -25,7 +25,10 @@ def test_a_shape_that_would_not_fit_is_refused_before_building(monkeypatch, caps
     assert err.count("\n") == 1
     assert "p=100000 m=8 v=1 would need about 160 GiB to compile" in err
     assert "more than the 24 GiB free here" in err
-    assert cli_run("compile", "-s", "interleaved", "-p", "20000", "-m", "20000", "-v", "2") == 2
+    out = ("-o", str(tmp_path / "b"))
+    assert (
+        cli_run("compile", "-s", "interleaved", "-p", "20000", "-m", "20000", "-v", "2", *out) == 2
+    )
     assert "v=2 would need about" in capsys.readouterr().err
 
 
