@@ -36,6 +36,7 @@ from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_c
 from pipec.ir import Layout, PipecError
 from pipec.model import compile_model
 from pipec.progress import progress
+from pipec.provenance import resolve
 
 DEVICE_HELP = (
     "Profile on this device: cpu, cuda or cuda:N, the one the build will run on (default: "
@@ -548,11 +549,17 @@ def _echo_planned(plan: dict, stats: dict) -> None:
 
 def _memory_rows(build: Build, sim: SimResult, stats: dict | None) -> list[dict]:
     """Predicted peak bytes per rank (for the run's device: CPU unless it ran on CUDA), with
-    the run's real peaks when there was one (runtime/measure.py)."""
+    the run's real peaks when there was one (runtime/measure.py). The factory is found as
+    `pipec run` finds it, from any directory (pipec/provenance.py)."""
+    from pipec.frontend import FrontendError
     from runtime.measure import memory_rows, predicted_peaks  # torch: only when asked
 
     device, backend = (stats.get("device", "cpu"), stats.get("backend")) if stats else ("cpu", None)
-    peaks = predicted_peaks(build.plan, build.compiled, build.costs, sim, device, backend)
+    spec = resolve(build.plan["model"], None, build.path)
+    try:
+        peaks = predicted_peaks(build.plan, build.compiled, build.costs, sim, device, backend, spec)
+    except FrontendError as e:
+        raise PipecError(f"{build.path}: {e}") from None
     return memory_rows(peaks, stats)
 
 
