@@ -709,15 +709,16 @@ def plan_cmd(
         import torch
 
         torch.set_num_threads(threads)
-    plan = plan_model(
-        model,
-        req,
-        mbs=_csv(mbs, "--mbs", int),
-        time_budget=opts["time_budget"],
-        runs=opts["runs"],
-        peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
-        device=opts["device"],
-    )
+    with progress(f"planning {model} for p={opts['pp']}"):
+        plan = plan_model(
+            model,
+            req,
+            mbs=_csv(mbs, "--mbs", int),
+            time_budget=opts["time_budget"],
+            runs=opts["runs"],
+            peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
+            device=opts["device"],
+        )
     if out is None and not as_json and save_profile is None:
         click.echo(render_text(plan, top))
         return

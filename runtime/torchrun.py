@@ -51,8 +51,13 @@ def run_build(build: Path, nproc: int | None, args: Sequence[str]) -> int:
             f"{build}: no launch.py here; compile a model with `pipec compile MODEL ... --out DIR`"
         )
     plan = json.loads(plan_file.read_text())
-    cmd, env = torchrun(
-        Path(build) / "launch.py", nproc or plan["world"] * plan.get("dp", 1), *args
+    nproc = nproc or plan["world"] * plan.get("dp", 1)
+    cmd, env = torchrun(Path(build) / "launch.py", nproc, *args)
+    print(
+        f"pipec run: {nproc} ranks under torchrun; each reads and verifies {build}, rebuilds its "
+        f"stages from {plan['model']['spec']}, then runs its program",
+        file=sys.stderr,
+        flush=True,
     )
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     messages, codes = [], []

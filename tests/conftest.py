@@ -10,6 +10,10 @@ import torch
 # test module imports runtime.kernels (where the kernels are decorated), so it is set here.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# A command's progress lines come every few seconds of wall time: how many a test sees would
+# depend on the machine's load. Tests that count stderr's lines (one-line errors, the docs'
+# transcripts) run without them; tests of progress turn them on (tests/test_footprint.py).
+os.environ.setdefault("PIPEC_PROGRESS", "0")
 
 GOLDEN = Path(__file__).parent / "golden"
 ROOT = Path(__file__).resolve().parents[1]

@@ -174,8 +174,8 @@ def warn_if_noisy(totals: list[list[float]], stream: TextIO | None = None) -> fl
     runs = totals[k]
     print(
         f"pipec: warning: the profile is too noisy to trust: stage {k}'s {len(runs)} timed runs "
-        f"spread {worst:.0%} of their median ({min(runs) * 1e3:.3g} to "
-        f"{max(runs) * 1e3:.3g} ms; above {NOISE_LIMIT:.0%} other work shared the device); "
+        f"spread {worst:.0%} of their median ({min(runs) * 1e3:.4g} to "
+        f"{max(runs) * 1e3:.4g} ms; above {NOISE_LIMIT:.0%} other work shared the device); "
         "profile again when the machine is quiet",
         file=stream or sys.stderr,
         flush=True,
