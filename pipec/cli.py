@@ -275,7 +275,14 @@ def _watched(opts: dict) -> Iterator[None]:
     if v is None:
         v = family(opts["schedule"]).default_v if opts["schedule"] else 1
     need = check_fits(p, m, v)
-    with progress(f"compiling {name} p={p} m={m} v={v} ({need})"):
+    # With a model, capturing and measuring it is most of the time, not the schedule.
+    shape = f"{name} p={p} m={m} v={v}"
+    what = (
+        f"compiling {opts['model']} with {shape}"
+        if opts.get("model")
+        else f"compiling {shape} ({need})"
+    )
+    with progress(what):
         yield
 
 

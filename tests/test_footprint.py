@@ -87,6 +87,15 @@ def test_progress_goes_to_stderr_that_is_not_a_terminal(monkeypatch, capsys):
     assert json.loads(captured.out)["makespan"] == 33
 
 
+def test_a_model_compile_names_the_model(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("PIPEC_PROGRESS", "1")
+    ticking(monkeypatch, "pipec.cli.compile_model")
+    model = f"{ROOT}/examples/gpt.py:tiny"
+    assert cli_run("compile", model, "-s", "1f1b", "-p", "2", "-m", "2", "-o", str(tmp_path)) == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    assert re.fullmatch(rf"pipec: compiling {model} with 1f1b p=2 m=2 v=1: \d+ s so far", first)
+
+
 def test_plan_says_what_it_is_doing(monkeypatch, capsys):
     def refuse(*args, **kw):
         raise PipecError("stopped here")
