@@ -413,6 +413,21 @@ def test_a_slow_run_s_transcript_must_come_from_its_command() -> None:
     assert "counts steps to ['2'], the command to 3" in (_run_transcript(other_steps) or "")
 
 
+def test_a_run_s_output_is_shown_under_its_command() -> None:
+    """A run's step lines in a `text` block are checked against nothing: they belong in the
+    transcript of the command that printed them (where `_run_transcript` checks them)."""
+    found = [
+        f"{doc.relative_to(ROOT)}:{start}"
+        for doc in DOCS
+        for info, start, body in fenced_blocks(doc.read_text())
+        if info == "text" and any(RUN_STEP.match(line) for line in body)
+    ]
+    assert not found, f"a run's output in a text block, not a transcript of its command: {found}"
+
+
+RUN_STEP = re.compile(r"\s*step +\d+/\d+ +loss ")
+
+
 def test_the_python_that_loads_a_checkpoint_runs(tmp_path: Path, monkeypatch) -> None:
     """docs/training.md's `load_full` example, run as written against a checkpoint of the
     model it names, saved where it looks."""
