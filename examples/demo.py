@@ -27,6 +27,7 @@ from passes.registry import SCHEDULES, family
 from pipec.build_dir import emit
 from pipec.ir import PipecError
 from pipec.model import compile_model
+from pipec.progress import progress
 from runtime.torchrun import run_build
 
 
@@ -49,14 +50,15 @@ def main() -> int:
         flush=True,
     )
     try:
-        result = compile_model(
-            args.model,
-            args.schedule,
-            args.ranks,
-            args.microbatches,
-            profile=True,
-        )
-        emit(result, args.out, force=True)
+        with progress(f"compiling for {args.ranks} ranks"):  # a line every 5 s while it runs
+            result = compile_model(
+                args.model,
+                args.schedule,
+                args.ranks,
+                args.microbatches,
+                profile=True,
+            )
+            emit(result, args.out, force=True)
     except PipecError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2

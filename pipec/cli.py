@@ -46,7 +46,7 @@ from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_c
 from pipec.ir import Layout, PipecError
 from pipec.model import compile_model
 from pipec.progress import progress
-from pipec.provenance import check_factory
+from pipec.provenance import check_factory, resolve
 
 DEVICE_HELP = (
     "Profile on this device: cpu, cuda or cuda:N, the one the build will run on (default: "
@@ -285,7 +285,14 @@ def _watched(opts: dict) -> Iterator[None]:
     if v is None:
         v = family(opts["schedule"]).default_v if opts["schedule"] else 1
     need = check_fits(p, m, v)
-    with progress(f"compiling {name} p={p} m={m} v={v} ({need})"):
+    # With a model, capturing and measuring it is most of the time, not the schedule.
+    shape = f"{name} p={p} m={m} v={v}"
+    what = (
+        f"compiling {opts['model']} with {shape}"
+        if opts.get("model")
+        else f"compiling {shape} ({need})"
+    )
+    with progress(what):
         yield
 
 
@@ -563,11 +570,17 @@ def _echo_planned(plan: dict, stats: dict) -> None:
 
 def _memory_rows(build: Build, sim: SimResult, stats: dict | None) -> list[dict]:
     """Predicted peak bytes per rank (for the run's device: CPU unless it ran on CUDA), with
-    the run's real peaks when there was one (runtime/measure.py)."""
+    the run's real peaks when there was one (runtime/measure.py). The factory is found as
+    `pipec run` finds it, from any directory (pipec/provenance.py)."""
+    from pipec.frontend import FrontendError
     from runtime.measure import memory_rows, predicted_peaks  # torch: only when asked
 
     device, backend = (stats.get("device", "cpu"), stats.get("backend")) if stats else ("cpu", None)
-    peaks = predicted_peaks(build.plan, build.compiled, build.costs, sim, device, backend)
+    spec = resolve(build.plan["model"], None, build.path)
+    try:
+        peaks = predicted_peaks(build.plan, build.compiled, build.costs, sim, device, backend, spec)
+    except FrontendError as e:
+        raise PipecError(f"{build.path}: {e}") from None
     return memory_rows(peaks, stats)
 
 
@@ -692,7 +705,8 @@ def _csv(text: str, what: str, kind: type = str) -> list:
     "--save-profile",
     type=click.Path(path_type=Path),
     default=None,
-    help="Write the profile here (default with --out/--json: plan-profile-DIGEST.json).",
+    help="Write the profile here (default: plan-profile-DIGEST.json beside --out's build, "
+    "else, with --json, in the current directory).",
 )
 def plan_cmd(
     model: str,
@@ -735,15 +749,16 @@ def plan_cmd(
         import torch
 
         torch.set_num_threads(threads)
-    plan = plan_model(
-        model,
-        req,
-        mbs=_csv(mbs, "--mbs", int),
-        time_budget=opts["time_budget"],
-        runs=opts["runs"],
-        peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
-        device=opts["device"],
-    )
+    with progress(f"planning {model} for p={opts['pp']}"):
+        plan = plan_model(
+            model,
+            req,
+            mbs=_csv(mbs, "--mbs", int),
+            time_budget=opts["time_budget"],
+            runs=opts["runs"],
+            peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
+            device=opts["device"],
+        )
     if out is None and not as_json and save_profile is None:
         click.echo(render_text(plan, top))
         return
@@ -767,7 +782,7 @@ def _plan_builds(
     from pipec.plan.saved import SavedProfile, save
 
     req = plan.request
-    saved = save(SavedProfile(plan.profile, req.comm_s, req.machine), save_profile)
+    saved = save(SavedProfile(plan.profile, req.comm_s, req.machine), save_profile, out)
     if not as_json:
         click.echo(render_text(plan, top, (1, pick) if out is not None else (1,)))
         click.echo(f"profile saved to {saved} (pipec compile --plan-profile builds from it)")

@@ -1,14 +1,17 @@
-"""A line on the terminal every few seconds while a long compile runs: how long so far, and what
-it is doing.
+"""A line on stderr every few seconds while a long command runs: how long so far, and what it
+is doing. Terminals, logs and pipes alike (a CI log or `pipec run`'s torchrun shows it too);
+`PIPEC_PROGRESS=0` turns it off for scripts that read stderr for errors only.
 
 Driven by SIGALRM, not a thread: a running thread would stop `pipec/beside.py` from forking
 (a lock the thread holds would stay held in the child), and the compile's two-core speed-up
-with it. The handler names the step from the stack it interrupts (the outermost pass module
-on it), so no pass needs to report anything, and a compile shorter than FIRST_S prints nothing.
+with it. The handler names the step from the stack it interrupts (the outermost module of
+`steps` on it), so no pass needs to report anything, and a command shorter than FIRST_S prints
+nothing.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -19,9 +22,10 @@ from types import FrameType
 
 FIRST_S = 3.0  # silent below this
 EVERY_S = 5.0
+Steps = tuple[tuple[str, str], ...]
 
 #: Module prefix -> the step it does; the outermost one on the stack names what runs.
-STEPS = (
+STEPS: Steps = (
     ("passes.registry", "building the schedule"),
     ("passes.schedules", "building the schedule"),
     ("passes.placement", "placing stages and evictions"),
@@ -30,18 +34,25 @@ STEPS = (
     ("passes.verify", "verifying"),
     ("passes.execution", "verifying"),
     ("pipec.beside", "verifying"),  # the compile waits for the verifier on the other core
+    ("pipec.plan.profile_mbs", "profiling each micro-batch size"),
+    ("pipec.plan.candidates", "pricing the candidates"),
     ("pipec.frontend", "tracing and measuring the model"),
     ("pipec.build_dir", "writing the files"),
 )
 
 
+def enabled() -> bool:
+    """Whether progress lines are wanted: yes unless PIPEC_PROGRESS=0."""
+    return os.environ.get("PIPEC_PROGRESS", "1") != "0"
+
+
 @contextmanager
-def progress(what: str) -> Iterator[None]:
+def progress(what: str, steps: Steps = STEPS) -> Iterator[None]:
     """Report on `what` (e.g. 'compiling 1f1b p=64 m=1024 v=1 (65536 stage ops...)') every
-    EVERY_S seconds once FIRST_S have passed, to a terminal: nothing when stderr is a file or
-    a pipe (scripts and tests read it for errors), or outside the main thread."""
+    EVERY_S seconds once FIRST_S have passed, to stderr, naming the step of `steps` that runs;
+    nothing when turned off (`enabled`) or outside the main thread."""
     if (
-        not sys.stderr.isatty()
+        not enabled()
         or threading.current_thread() is not threading.main_thread()
         or not hasattr(signal, "setitimer")
     ):
@@ -50,7 +61,7 @@ def progress(what: str) -> Iterator[None]:
     start = time.monotonic()
 
     def report(signum: int, frame: FrameType | None) -> None:
-        step = step_of(frame)
+        step = step_of(frame, steps)
         print(
             f"pipec: {what}: {time.monotonic() - start:.0f} s so far{', ' + step if step else ''}",
             file=sys.stderr,
@@ -66,11 +77,11 @@ def progress(what: str) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def step_of(frame: FrameType | None) -> str:
-    """What the interrupted stack is doing: the step of its outermost known module."""
+def step_of(frame: FrameType | None, steps: Steps = STEPS) -> str:
+    """What the interrupted stack is doing: the step of its outermost module in `steps`."""
     step = ""
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        step = next((s for prefix, s in STEPS if module.startswith(prefix)), step)
+        step = next((s for prefix, s in steps if module.startswith(prefix)), step)
         frame = frame.f_back
     return step

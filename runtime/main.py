@@ -25,6 +25,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +39,7 @@ from pipec import checkpoint
 from pipec.build_dir import MEASURED, Build, check_build, load, title
 from pipec.frontend import FrontendError, load_factory
 from pipec.ir import Op, PipecError
+from pipec.progress import progress
 from pipec.provenance import check_model, resolve
 from pipec.run_checks import check_writable
 from runtime.data import open_source
@@ -46,6 +48,14 @@ from runtime.gradcheck import DropoutOff, GradCapture, compare, reference_grads
 from runtime.interpreter import HANDLERS, Handler, StepTrace, check_program, run_program
 from runtime.measure import rank_report, summarize, timeline, write
 from runtime.rank import Rank, check_runnable
+
+#: What a rank's start-up does, by module (pipec.progress: the outermost on the stack names it).
+START_STEPS = (
+    ("runtime.rank", "rebuilding its stages from the factory"),
+    ("pipec.frontend", "building the model from its factory"),
+    ("pipec.build_dir", "reading and verifying the build"),
+    ("pipec.checkpoint", "reading the checkpoint"),
+)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -267,19 +277,22 @@ def main(
     cuda = torch.cuda.is_available() and not args.share_gpu
     args.backend = args.backend or ("nccl" if cuda else "gloo")
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
-    try:
-        run = preflight(build_dir, args, world, local_world, say=grank == 0)
-    except PipecError as e:  # every rank found the same: rank 0 says it, nobody waits
-        if grank == 0:
-            print(f"pipec runtime: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    device = rank_device(args.backend, args.share_gpu, local_rank)
-    try:
-        rt = Rank.prepare(run.build, grank, world, device, run.spec, args.seed)
-        check_program(rt.program, handlers, rt.source)
-    except PipecError as e:  # nothing was communicated: a plain exit, no other rank is waiting
-        print(f"pipec runtime: rank {grank}: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    # Rank 0 says what the start-up is doing while it takes long (all ranks do the same).
+    starting = progress(f"rank 0 of {world} starting", START_STEPS) if grank == 0 else nullcontext()
+    with starting:
+        try:
+            run = preflight(build_dir, args, world, local_world, say=grank == 0)
+        except PipecError as e:  # every rank found the same: rank 0 says it, nobody waits
+            if grank == 0:
+                print(f"pipec runtime: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        device = rank_device(args.backend, args.share_gpu, local_rank)
+        try:
+            rt = Rank.prepare(run.build, grank, world, device, run.spec, args.seed)
+            check_program(rt.program, handlers, rt.source)
+        except PipecError as e:  # nothing was communicated: a plain exit, nobody is waiting
+            print(f"pipec runtime: rank {grank}: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
@@ -293,6 +306,8 @@ def main(
             failed = check_grads(rt, run, handlers, watchdog, args.seed)
         else:
             saved: dict[int, Path] = {}
+            if grank == 0:
+                print(training_line(args), flush=True)
             log = _log_step(args.steps, saved) if grank == 0 else None
             save = saver(rt, args.save, args.save_every, args.steps, saved) if args.save else None
             traces = train(rt, args.steps, handlers, watchdog, log, run.start, save)
@@ -418,6 +433,16 @@ def check_grads(
         else:
             print("check-grads: ok, every stage matches", flush=True)
     return bool(bad)
+
+
+def training_line(args: argparse.Namespace) -> str:
+    """What a run trains with, from its options: printed before its first step, so a log (or
+    the docs' transcript of one) says which command made it."""
+    saving = ""
+    if args.save:
+        every = f"every {args.save_every} steps and " if args.save_every else ""
+        saving = f"; checkpoints to {args.save} {every}at the end"
+    return f"training to step {args.steps}: AdamW lr {args.lr:g}, seed {args.seed}{saving}"
 
 
 def _join(items: list[int]) -> str:

@@ -150,6 +150,7 @@ def predicted_peaks(
     sim: SimResult,
     device: str,
     backend: str | None = None,
+    spec: str | None = None,
 ) -> tuple[RankBytes, ...]:
     """The prediction (passes/memory_bytes.py) for a run on `device` with `backend`'s receive
     policy (default: gloo on CPU, NCCL on CUDA; gloo on CUDA is `launch.py --share-gpu`). On
@@ -157,9 +158,10 @@ def predicted_peaks(
     bytes (`stash_extras`): autograd's host bytes and, with the B/W split, what W holds; and it
     counts each posted gloo receive's host bytes. On CUDA
     none of these: host bytes are not device bytes, and building the whole model on the host
-    is what a GPU run avoids; W then holds the simulator's share."""
+    is what a GPU run avoids; W then holds the simulator's share. `spec`: where the model's
+    factory is, if not the plan's spec as written (`pipec.provenance.resolve`)."""
     if device == "cpu":
-        extras = stash_extras(plan, bool({Op.B, Op.W} & op_kinds(compiled.programs)))
+        extras = stash_extras(plan, bool({Op.B, Op.W} & op_kinds(compiled.programs)), spec)
         facts = ByteFacts.from_plan(plan, extras.host, extras.w_held)
     else:
         facts = ByteFacts.from_plan(plan)

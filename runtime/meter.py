@@ -186,15 +186,17 @@ def module_extras(
     return host, w_held
 
 
-def stash_extras(plan: dict, split: bool) -> StashExtras:
+def stash_extras(plan: dict, split: bool, spec: str | None = None) -> StashExtras:
     """`module_extras` of each of the plan's stages on the factory's example micro-batch at the
-    plan's size (torch.export fixes it in the stages' graphs; `w_held` empty without `split`)."""
+    plan's size (torch.export fixes it in the stages' graphs; `w_held` empty without `split`).
+    `spec`: where the factory is (default: the plan's spec, as written)."""
     from pipec.frontend import build_stages, load_factory
 
     model = plan["model"]
+    spec = spec or model["spec"]
     n = len(model["stages"])
-    modules = build_stages(None, model, list(range(n)))
-    ms = load_factory(model["spec"], model["seed"], model.get("micro_batch_size"))
+    modules = build_stages(spec, model, list(range(n)))
+    ms = load_factory(spec, model["seed"], model.get("micro_batch_size"))
     stash = plan["costs"]["stash_bytes"]
     inputs: tuple[torch.Tensor, ...] = tuple(ms.example_inputs)
     host, w_held = [], []

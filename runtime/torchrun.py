@@ -64,6 +64,12 @@ def run_build(build: Path, nproc: int | None, args: Sequence[str]) -> int:
     if ranks is None:  # --help: printed
         return 0
     cmd, env = torchrun(Path(build) / "launch.py", ranks, *args)
+    print(
+        f"pipec run: {ranks} ranks under torchrun; each reads and verifies {build}, rebuilds its "
+        "stages from the model's factory, then runs its program",
+        file=sys.stderr,
+        flush=True,
+    )
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     stop = _Forward(proc)
     messages, codes = [], []

@@ -10,8 +10,40 @@ import torch
 # test module imports runtime.kernels (where the kernels are decorated), so it is set here.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# A command's progress lines come every few seconds of wall time: how many a test sees would
+# depend on the machine's load. Tests that count stderr's lines (one-line errors, the docs'
+# transcripts) run without them; tests of progress turn them on (tests/test_footprint.py).
+os.environ.setdefault("PIPEC_PROGRESS", "0")
 
 GOLDEN = Path(__file__).parent / "golden"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _repository_outputs() -> tuple[list[str], dict]:
+    """What a test could leave in the checkout: the root's entries (not hidden, no caches) and
+    every file under build/, where `make demo` keeps its build and checkpoints."""
+    from tests.helpers import tree
+
+    names = sorted(
+        p.name for p in ROOT.iterdir() if not p.name.startswith(".") and p.name != "__pycache__"
+    )
+    return names, tree(ROOT / "build")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tests_write_only_to_temporary_directories():
+    """Tests write to tmp_path, never into the checkout: a file they leave in its root or a
+    change under build/ (the default --out, where `make demo` keeps build/demo) fails the run."""
+    before = _repository_outputs()
+    yield
+    after = _repository_outputs()
+    added = sorted(set(after[0]) - set(before[0]))
+    changed = sorted(
+        k for k in before[1].keys() | after[1].keys() if before[1].get(k) != after[1].get(k)
+    )
+    assert not added and not changed, (
+        f"tests wrote into the checkout {ROOT}: new {added}, build/ changed {changed[:10]}"
+    )
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -1,6 +1,11 @@
-"""Small helpers shared by the schedule tests."""
+"""Small helpers shared by the tests."""
+
+import importlib
+import signal
+from pathlib import Path
 
 from passes.costs import CostModel, parse_costs
+from pipec import progress
 from pipec.compile import CompileResult, compile_schedule
 
 CHUNK_UNITS = "per=chunk"
@@ -18,3 +23,30 @@ def run(
 
 def peaks(result: CompileResult) -> list[float]:
     return [r.peak_activations for r in result.sim.ranks]
+
+
+def tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `root` (relative path -> size, modification time): compared before
+    and after, it shows whether anything there was written, replaced or removed."""
+    if not root.is_dir():
+        return {}
+    return {
+        str(f.relative_to(root)): (f.stat().st_size, f.stat().st_mtime_ns)
+        for f in sorted(root.rglob("*"))
+        if f.is_file()
+    }
+
+
+def ticking(monkeypatch, target: str, then=None) -> None:
+    """Make `target` (module.function) deliver one timer tick while it runs, as a long run of
+    it would, then return what it returns (or `then()`'s): deterministic whatever this
+    machine's speed; the real timer never fires."""
+    module, name = target.rsplit(".", 1)
+    real = then or getattr(importlib.import_module(module), name)
+
+    def tick(*args, **kw):
+        signal.raise_signal(signal.SIGALRM)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(target, tick)
+    monkeypatch.setattr(progress, "FIRST_S", 3600.0)

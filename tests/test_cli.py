@@ -171,3 +171,29 @@ def test_tampered_program_fails_verification(tmp_path, capsys):
 def test_missing_directory(tmp_path, capsys):
     assert cli_run("verify", str(tmp_path / "nowhere")) == 2
     assert "no plan.json here" in capsys.readouterr().err
+
+
+def test_a_model_build_is_shown_verified_and_exported_from_any_directory(
+    tmp_path, monkeypatch, capsys
+):
+    """The factory is found as `pipec run` finds it (the file recorded at compile time), not
+    against the current directory: `show --json` rebuilds the model for its memory prediction."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "b"
+    assert (
+        cli_run(
+            "compile", "examples/gpt.py:tiny", "-s", "1f1b", "-p", "2", "-m", "2", "-o", str(out)
+        )
+        == 0
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert cli_run("show", str(out), "--json") == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in shown["ranks"]] == [0, 1]
+    assert all(r["predicted_peak_bytes"] > 0 for r in shown["ranks"])
+    assert cli_run("verify", str(out)) == 0
+    assert cli_run("export", str(out), "--out", "-") == 0
+    assert capsys.readouterr().err == ""

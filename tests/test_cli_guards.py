@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import pipec
+from tests.helpers import tree
 from tests.test_cli import ROOT, cli_run, compile_to
 
 SHAPE = ("-s", "1f1b", "-p", "4", "-m", "8")
@@ -96,6 +97,32 @@ def test_quick_start_after_the_demo(tmp_path, monkeypatch, capsys):
         assert "holds another build, build/demo" in err and "--out build/1f1b" in err
         assert sorted(p.name for p in Path("build/demo").iterdir()) == demo
     compile_to(Path("build/1f1b"))  # the suggestion works
+
+
+def test_the_tests_leave_the_demo_s_leftovers_alone(tmp_path, monkeypatch, capsys):
+    """`make demo` then `make test`: a checkout holding build/demo and build/demo-ckpt (as the
+    demo leaves them) changes nothing for the tests' compiles, which write to temporary
+    directories: a bad input still gets its own message, not build/'s, and nothing under
+    build/ is touched."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "examples").symlink_to(ROOT / "examples")
+    monkeypatch.chdir(repo)
+    compile_to(Path("build/demo"))
+    step = Path("build/demo-ckpt/step_000030")
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"demo checkpoint")
+    before = tree(Path("build"))
+    capsys.readouterr()
+    out = tmp_path / "out"
+    compile_to(out / "1f1b")
+    model = ("examples/gpt.py:tiny", "-s", "1f1b", "-p", "2", "-m", "2")
+    assert cli_run("compile", *model, "-o", str(out / "gpt")) == 0
+    assert cli_run("compile", *model, "--costs", "F=2", "-o", str(out / "bad")) == 2
+    assert "with MODEL give only comm=" in one_line_error(capsys)
+    assert cli_run("simulate", *SHAPE, "--json") == 0
+    assert tree(Path("build")) == before
+    assert sorted(p.name for p in repo.iterdir()) == ["build", "examples"]
 
 
 def test_force_replaces_only_a_pipec_build(tmp_path, capsys):

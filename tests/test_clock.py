@@ -3,7 +3,9 @@ not when its kernels were launched; on CPU the host times are kept as they are.
 
 Without a GPU, `CudaClock` runs against a stand-in stream: a handler queues GPU work and
 returns at once, the work runs after what was queued before it, and an event fires when the
-stream reaches it. The interpreter's loop (`run_program`) is the code under test.
+stream reaches it. The interpreter's loop (`run_program`) is the code under test. The host's
+time is virtual too (`VirtualTime`), so what the tests assert does not depend on this
+machine's load.
 """
 
 import time
@@ -17,6 +19,30 @@ from runtime import clock
 from runtime.interpreter import run_program
 
 WORK_S = 0.05  # GPU seconds each instruction queues: far above a handler's own host time
+TICK_S = 1e-6  # host seconds that pass at each reading of the clock
+
+
+class VirtualTime:
+    """`time.perf_counter` and `time.sleep` for the code under test: time passes by TICK_S
+    at each reading, and by what a sleep asks for."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += TICK_S
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+
+@pytest.fixture
+def virtual_time(monkeypatch: pytest.MonkeyPatch) -> VirtualTime:
+    clock_ = VirtualTime()
+    monkeypatch.setattr(time, "perf_counter", clock_.perf_counter)
+    monkeypatch.setattr(time, "sleep", clock_.sleep)
+    return clock_
 
 
 class FakeStream:
@@ -77,6 +103,7 @@ def run_step(device: str, stream: FakeStream, n: int = 3):
     return run_program(rt, {Op.F: lambda rt, instr: stream.launch(WORK_S)}, watchdog)
 
 
+@pytest.mark.usefixtures("virtual_time")
 def test_on_cuda_an_instruction_lasts_as_long_as_its_gpu_work(monkeypatch: pytest.MonkeyPatch):
     stream = FakeStream()
     monkeypatch.setattr(
@@ -87,13 +114,14 @@ def test_on_cuda_an_instruction_lasts_as_long_as_its_gpu_work(monkeypatch: pytes
     trace = run_step("cuda", stream)
     durations = [e - s for s, e in zip(trace.start, trace.end)]
     # The first waits for nothing; later ones start when the GPU finished the one before.
-    assert WORK_S <= durations[0] <= WORK_S + 0.01
+    assert WORK_S <= durations[0] <= WORK_S + 100 * TICK_S
     assert durations[1:] == pytest.approx([WORK_S] * 2, abs=1e-6)
     assert trace.start[1:] == pytest.approx(trace.end[:-1], abs=1e-6)
     assert trace.wall_s >= 3 * WORK_S  # the step ends when the GPU is done
     assert trace.handler_s < WORK_S  # the handlers' own host time: launches
 
 
+@pytest.mark.usefixtures("virtual_time")
 def test_on_cpu_the_host_times_are_kept(monkeypatch: pytest.MonkeyPatch):
     """The same handlers timed by the host clock: each instruction lasts its launch, which is
     what the CPU runtime must keep measuring (there a handler's return ends its work)."""
@@ -105,6 +133,7 @@ def test_on_cpu_the_host_times_are_kept(monkeypatch: pytest.MonkeyPatch):
     assert trace.handler_s == pytest.approx(sum(durations))
 
 
+@pytest.mark.usefixtures("virtual_time")
 def test_a_host_wait_delays_the_start():
     """An instruction whose handler first waited for an input (the host's start is after the
     wait) starts no earlier than that, even when the GPU reached its start event before."""

@@ -21,7 +21,10 @@ How the docs mark their commands:
   line, are its output (stdout and stderr together) and must match what it prints now; a line
   `...` stands for any number of lines, and a plan hash (`plan` and 16 hex digits) for any
   hash: a model build's plan records the factory file's absolute path, which differs between
-  checkouts.
+  checkouts. A transcript of a `# slow` `pipec run` is not rerun, but must come from the command
+  shown: it holds the line the run prints from its options (`training to step N: AdamW lr ...`)
+  and counts its steps to the command's --steps. Show a run's output in such a transcript,
+  never in a `text` block, which nothing checks against a command.
 - A block fenced as `text` is output or a synopsis, never a command.
 
 A file that the docs name in backticks (`bench/x.py`) must exist, unless a comment
@@ -258,7 +261,7 @@ def _problem(cmd: Command, worker: Worker, cwd: Path) -> str | None:
     if not cmd.argv or (cmd.argv[0] not in cli.commands and not cmd.argv[0].startswith("-")):
         return f"'{cmd.argv[:1]}' is not a pipec command"
     if cmd.exit_code is None:
-        return parses(cmd.argv)
+        return parses(cmd.argv) or (_run_transcript(cmd) if cmd.argv[0] == "run" else None)
     code, printed, stdout, stderr = worker.run(cwd, cmd.argv)
     if cmd.stdout_to is not None:
         (cwd / cmd.stdout_to).write_text(stdout)
@@ -267,6 +270,33 @@ def _problem(cmd: Command, worker: Worker, cwd: Path) -> str | None:
         return f"exit {code}, the docs expect {cmd.exit_code}:\n{printed[-2000:]}"
     if cmd.output is not None and not _matches(cmd.output, printed):
         return "prints\n" + printed[-3000:] + "where the docs show\n" + "\n".join(cmd.output)
+    return None
+
+
+def _run_transcript(cmd: Command) -> str | None:
+    """Why the transcript of a `pipec run` the suite does not run is not that command's, or
+    None: it must show the line the run prints from its options (runtime/main.py's
+    `training_line`), and its steps must count to --steps."""
+    if not cmd.output:
+        return None
+    from runtime.main import _parse, training_line
+
+    launch = cmd.argv[2:]
+    if "--nproc" in launch:  # pipec run's own option, not launch.py's
+        k = launch.index("--nproc")
+        launch = launch[:k] + launch[k + 2 :]
+    try:
+        args = _parse(launch)
+    except SystemExit:
+        return f"launch.py refuses {launch}"
+    if args.check_grads:
+        return None
+    expected = training_line(args)
+    if expected not in cmd.output:
+        return f"the transcript is not this command's: it should show\n  {expected}"
+    counts = set(re.findall(r"^step +\d+/(\d+) ", "\n".join(cmd.output), re.MULTILINE))
+    if counts - {str(args.steps)}:
+        return f"the transcript counts steps to {sorted(counts)}, the command to {args.steps}"
     return None
 
 
@@ -364,6 +394,61 @@ def test_the_docs_test_reads_what_it_should(worker: Worker, tmp_path: Path) -> N
     named = "`bench/data/x.jsonl`, `bench/y.py`; <!-- planned: bench/y.py -->"
     assert NAMED_FILE.findall(named) == ["bench/data/x.jsonl", "bench/y.py"]
     assert PLANNED.findall(named) == [" bench/y.py "]
+
+
+def test_a_slow_run_s_transcript_must_come_from_its_command() -> None:
+    """The hole a quick start once fell through: a run's output pasted under a command with
+    other options (--lr 3e-3 then, the default 1e-3 shown)."""
+    doc = (
+        "```console\n$ pipec run build/gpt --steps 2 --lr 3e-3   # slow: torchrun\n"
+        "training to step 2: AdamW lr 0.003, seed 0\nstep   1/2  loss 5.5\n...\n"
+        "$ pipec run build/gpt --steps 2   # slow: torchrun\n"
+        "training to step 2: AdamW lr 0.003, seed 0\nstep   1/2  loss 5.5\n"
+        "$ pipec run build/gpt --lr 3e-3 --steps 3   # slow: torchrun\n"
+        "training to step 3: AdamW lr 0.003, seed 0\nstep   1/2  loss 5.5\n```\n"
+    )
+    shown, default_lr, other_steps = commands(doc)
+    assert _run_transcript(shown) is None
+    assert "AdamW lr 0.001, seed 0" in (_run_transcript(default_lr) or "")
+    assert "counts steps to ['2'], the command to 3" in (_run_transcript(other_steps) or "")
+
+
+def test_a_run_s_output_is_shown_under_its_command() -> None:
+    """A run's step lines in a `text` block are checked against nothing: they belong in the
+    transcript of the command that printed them (where `_run_transcript` checks them)."""
+    found = [
+        f"{doc.relative_to(ROOT)}:{start}"
+        for doc in DOCS
+        for info, start, body in fenced_blocks(doc.read_text())
+        if info == "text" and any(RUN_STEP.match(line) for line in body)
+    ]
+    assert not found, f"a run's output in a text block, not a transcript of its command: {found}"
+
+
+RUN_STEP = re.compile(r"\s*step +\d+/\d+ +loss ")
+
+
+def test_the_python_that_loads_a_checkpoint_runs(tmp_path: Path, monkeypatch) -> None:
+    """docs/training.md's `load_full` example, run as written against a checkpoint of the
+    model it names, saved where it looks."""
+    from pipec import checkpoint
+    from pipec.frontend import load_factory
+
+    text = (ROOT / "docs/training.md").read_text()
+    (code,) = [
+        "\n".join(b)
+        for info, _, b in fenced_blocks(text)
+        if info == "python" and "load_full(" in "\n".join(b)
+    ]
+    found = re.search(r'load_factory\("([^"]+)"\).*load_full\("([^"]+)"', code, re.DOTALL)
+    spec, where = found.groups()
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    monkeypatch.chdir(tmp_path)
+    model = load_factory(spec).model
+    checkpoint.save(Path(where), 30, checkpoint.state_dict([model], None))
+    namespace: dict = {}
+    exec(compile(code, "docs/training.md", "exec"), namespace)  # noqa: S102 - the docs' own code
+    assert namespace["step"] == 30
 
 
 if __name__ == "__main__":

@@ -3,16 +3,20 @@ long one reports progress; `pipec plan` refuses an infeasible --pp before profil
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from pipec import footprint, progress
+from pipec.ir import PipecError
+from tests.helpers import ticking
 from tests.test_cli import ROOT, cli_run
 
 
-def test_a_shape_that_would_not_fit_is_refused_before_building(monkeypatch, capsys):
+def test_a_shape_that_would_not_fit_is_refused_before_building(monkeypatch, capsys, tmp_path):
     """p=100 000 grew without bound (24 GB after minutes); now one line, nothing built."""
     monkeypatch.setattr(footprint, "available_bytes", lambda: 24 * 2**30)
 
@@ -25,7 +29,10 @@ def test_a_shape_that_would_not_fit_is_refused_before_building(monkeypatch, caps
     assert err.count("\n") == 1
     assert "p=100000 m=8 v=1 would need about 160 GiB to compile" in err
     assert "more than the 24 GiB free here" in err
-    assert cli_run("compile", "-s", "interleaved", "-p", "20000", "-m", "20000", "-v", "2") == 2
+    out = ("-o", str(tmp_path / "b"))
+    assert (
+        cli_run("compile", "-s", "interleaved", "-p", "20000", "-m", "20000", "-v", "2", *out) == 2
+    )
     assert "v=2 would need about" in capsys.readouterr().err
 
 
@@ -56,9 +63,9 @@ def test_the_estimate_is_close_to_the_measured_peak(schedule, p, m, v):
 
 
 def test_a_long_compile_reports_progress(monkeypatch, capsys):
+    monkeypatch.setenv("PIPEC_PROGRESS", "1")
     monkeypatch.setattr(progress, "FIRST_S", 0.01)
     monkeypatch.setattr(progress, "EVERY_S", 0.02)
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # progress goes to terminals
     assert cli_run("simulate", "-s", "1f1b", "-p", "32", "-m", "512", "--json") == 0
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
@@ -69,10 +76,46 @@ def test_a_long_compile_reports_progress(monkeypatch, capsys):
     assert json.loads(captured.out)["makespan"] > 0  # the output is the command's alone
 
 
-def test_no_progress_where_stderr_is_not_a_terminal(monkeypatch, capsys):
-    monkeypatch.setattr(progress, "FIRST_S", 0.01)
-    monkeypatch.setattr(progress, "EVERY_S", 0.02)
-    assert cli_run("simulate", "-s", "1f1b", "-p", "32", "-m", "512", "--json") == 0
+def test_progress_goes_to_stderr_that_is_not_a_terminal(monkeypatch, capsys):
+    """A log or a pipe (capsys is neither a terminal) gets the lines a terminal gets."""
+    monkeypatch.setenv("PIPEC_PROGRESS", "1")
+    ticking(monkeypatch, "pipec.cli.compile_schedule")
+    assert not sys.stderr.isatty()
+    assert cli_run("simulate", "-s", "1f1b", "-p", "4", "-m", "8", "--json") == 0
+    captured = capsys.readouterr()
+    assert re.fullmatch(r"pipec: compiling 1f1b p=4 m=8 v=1 \(.*\): \d+ s so far\n", captured.err)
+    assert json.loads(captured.out)["makespan"] == 33
+
+
+def test_a_model_compile_names_the_model(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("PIPEC_PROGRESS", "1")
+    ticking(monkeypatch, "pipec.cli.compile_model")
+    model = f"{ROOT}/examples/gpt.py:tiny"
+    assert cli_run("compile", model, "-s", "1f1b", "-p", "2", "-m", "2", "-o", str(tmp_path)) == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    assert re.fullmatch(rf"pipec: compiling {model} with 1f1b p=2 m=2 v=1: \d+ s so far", first)
+
+
+def test_plan_says_what_it_is_doing(monkeypatch, capsys):
+    def refuse(*args, **kw):
+        raise PipecError("stopped here")
+
+    monkeypatch.setenv("PIPEC_PROGRESS", "1")
+    ticking(monkeypatch, "pipec.plan.profile_mbs.profile_model", refuse)
+    argv = ["plan", "examples/gpt.py:tiny", "--pp", "2", "-B", "8", "--memory-per-device", "1GiB"]
+    assert cli_run(*argv) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r"pipec: planning examples/gpt.py:tiny for p=2: \d+ s so far", lines[0])
+    assert lines[1:] == ["pipec: error: stopped here"]
+
+
+def test_progress_is_off_with_pipec_progress_0(monkeypatch, capsys):
+    def never(*args):
+        raise AssertionError("a progress timer started")
+
+    monkeypatch.setenv("PIPEC_PROGRESS", "0")
+    monkeypatch.setattr(signal, "setitimer", never)
+    assert cli_run("simulate", "-s", "1f1b", "-p", "4", "-m", "8", "--json") == 0
     assert capsys.readouterr().err == ""
 
 

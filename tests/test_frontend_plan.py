@@ -2,7 +2,6 @@
 runtime."""
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -144,18 +143,12 @@ def test_build_stages_rebuilds_the_same_stages(gpt_plan):
         build_stages(GPT, tampered, [1])
 
 
-def test_profiled_plan_and_timing(capfd):
-    start = time.perf_counter()
-    build_model_plan(GPT, 4)
-    estimated = time.perf_counter() - start
-    start = time.perf_counter()
+def test_profiled_plan(capfd):
     plan = build_model_plan(GPT, 4, profile=True, runs=3)
-    profiled = time.perf_counter() - start
     assert plan.cost_source == "profile"
     assert all(s.seconds.F > 0 and s.seconds.B > 0 and s.seconds.W > 0 for s in plan.stages)
     assert all(s.flops.F > 0 for s in plan.stages)  # FLOPs are recorded either way
     assert "profiling F/B/W" in capfd.readouterr().err
-    assert estimated < 10 and profiled < 60, (estimated, profiled)
 
 
 def test_meta_device_models_are_costed_not_profiled():

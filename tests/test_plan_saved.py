@@ -62,7 +62,9 @@ def test_a_saved_profile_reads_back_equal(tmp_path, plans):
     saved = SavedProfile(plan.profile, 0.0, plan.request.machine)
     path = saved_mod.save(saved, tmp_path / "p.json")
     assert saved_mod.load(path) == saved and saved_mod.load(path).digest == saved.digest
-    assert saved_mod.default_path(saved).name == f"plan-profile-{saved.digest}.json"
+    assert saved_mod.default_path(saved) == Path(f"plan-profile-{saved.digest}.json")
+    beside = saved_mod.default_path(saved, Path("build/tiny"))  # a build holds only its files
+    assert beside == Path(f"build/plan-profile-{saved.digest}.json")
     other = replace(saved, profile=replace(saved.profile, peak_flops=2e9))
     assert other.digest != saved.digest
 

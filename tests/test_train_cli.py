@@ -23,7 +23,8 @@ from pipec.ir import PipecError
 from pipec.model import compile_model
 from pipec.provenance import resolve
 from runtime.torchrun import _Condense, torchrun
-from tests.runtime_launch import said_by_rank_0
+from tests.helpers import ticking
+from tests.runtime_launch import refused, said_by_rank_0
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = f"{ROOT}/tests/train_factories.py:copying"
@@ -174,6 +175,20 @@ def test_pipec_run_condenses_torchruns_report_once_a_rank_said_why():
 def test_nccl_without_cuda(build, monkeypatch, capsys):
     err = said_by_rank_0(build, monkeypatch, capsys, "--backend", "nccl")
     assert err == "pipec runtime: --backend nccl needs CUDA, and torch sees no GPU here; use gloo\n"
+
+
+def test_rank_0_says_what_its_start_up_is_doing(build, monkeypatch, capsys):
+    """A start-up that takes long (checking the build, rebuilding the stages) is said on
+    stderr by rank 0, a line every few seconds (one timer tick here)."""
+
+    def stop(*args):
+        raise PipecError("stopped after one tick")
+
+    monkeypatch.setenv("PIPEC_PROGRESS", "1")
+    ticking(monkeypatch, "runtime.main.check_runnable", stop)
+    err = refused(build, monkeypatch, capsys).splitlines()
+    assert re.fullmatch(r"pipec: rank 0 of 4 starting: \d+ s so far", err[0])
+    assert err[1:] == ["pipec runtime: stopped after one tick"]
 
 
 def test_an_unverifiable_build(build, tmp_path, monkeypatch, capsys):

@@ -5,6 +5,10 @@ runtime executes. A small progress bar on stderr shows the runs. `--device` (`on
 the factory's model and example batch to the device the build will run on before anything is
 traced or timed, so a GPU run is scheduled with GPU costs; on CUDA each timing point
 synchronises the device first, so the times are the kernels' and not their launches'.
+
+A profile taken while other processes compete for the device describes that moment, not the
+run: the profile measures its own noise, the spread of each stage's timed runs, and warns on
+stderr with the figure when it passes NOISE_LIMIT.
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ from pipec.ir import PipecError
 from runtime.bwsplit import B, W, split_backward
 
 DEVICE_TYPES = ("cpu", "cuda")
+
+NOISE_LIMIT = 0.5
+"""The largest spread, (max - min) / median of one stage's timed runs (F + B + W of a run),
+that --profile trusts. A quiet CPU or GPU repeats a stage within a few per cent; runs that
+differ by half their median mean other work took the device for part of the timing, and a
+schedule simulated from them was seen 3x off its measured run."""
 
 
 def profile_device(name: str) -> torch.device:
@@ -115,7 +125,7 @@ def profile_stages(
     if device.type == "meta":
         raise ValueError("cannot profile a model on the meta device; use the FLOP estimate")
     bar = ProgressBar(len(stages) * (warmup + runs), "profiling F/B/W") if progress else None
-    results = []
+    results, totals = [], []
     for k, (stage, inputs) in enumerate(zip(stages, stage_inputs, strict=True)):
         split_backward(stage)
         last = k == len(stages) - 1
@@ -142,7 +152,35 @@ def profile_stages(
             p.grad = None
         f, b, w = (statistics.median(t[i] for t in times) for i in range(3))
         results.append(Costs(f, b, w))
+        totals.append([sum(t) for t in times])
+    warn_if_noisy(totals)
     return results
+
+
+def spread(runs: list[float]) -> float:
+    """(max - min) / median of one stage's timed runs: 0 when they agree (or there is one)."""
+    middle = statistics.median(runs)
+    return (max(runs) - min(runs)) / middle if middle > 0 else 0.0
+
+
+def warn_if_noisy(totals: list[list[float]], stream: TextIO | None = None) -> float:
+    """Warn (on stderr) when the noisiest stage's timed runs spread more than NOISE_LIMIT;
+    `totals[k]`: stage k's seconds per run. Returns that spread."""
+    spreads = [spread(runs) for runs in totals]
+    worst = max(spreads, default=0.0)
+    if worst <= NOISE_LIMIT:
+        return worst
+    k = spreads.index(worst)
+    runs = totals[k]
+    print(
+        f"pipec: warning: the profile is too noisy to trust: stage {k}'s {len(runs)} timed runs "
+        f"spread {worst:.0%} of their median ({min(runs) * 1e3:.4g} to "
+        f"{max(runs) * 1e3:.4g} ms; above {NOISE_LIMIT:.0%} other work shared the device); "
+        "profile again when the machine is quiet",
+        file=stream or sys.stderr,
+        flush=True,
+    )
+    return worst
 
 
 def _now(device: torch.device) -> float:

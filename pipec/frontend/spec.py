@@ -112,7 +112,10 @@ class ModelSpec:
 
 
 def next_token_loss(logits: Tensor, target: Tensor) -> Tensor:
-    """Next-token cross-entropy, averaged over the micro-batch's tokens."""
+    """Cross-entropy of `logits` (batch, seq, vocab) against `target` (batch, seq), averaged
+    over the micro-batch's tokens. Position t is scored against target[:, t] as given: the
+    target must already be shifted (target[:, t] is the token after input t, i.e. the inputs
+    moved left by one); nothing is shifted here."""
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 

@@ -47,13 +47,17 @@ class SavedProfile:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def default_path(saved: SavedProfile) -> Path:
-    return Path(f"plan-profile-{saved.digest}.json")
+def default_path(saved: SavedProfile, out: Path | None = None) -> Path:
+    """`plan-profile-DIGEST.json` beside the build `out` (in its parent directory: a build
+    holds exactly its plan's files), or in the current directory without one."""
+    name = f"plan-profile-{saved.digest}.json"
+    return Path(out).parent / name if out is not None else Path(name)
 
 
-def save(saved: SavedProfile, path: Path | None = None) -> Path:
-    """Write `saved` to `path` (default: `default_path`, in the current directory)."""
-    path = default_path(saved) if path is None else Path(path)
+def save(saved: SavedProfile, path: Path | None = None, out: Path | None = None) -> Path:
+    """Write `saved` to `path` (default: `default_path`, beside the build `out` if given)."""
+    path = default_path(saved, out) if path is None else Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(saved.to_json(), sort_keys=True, indent=1) + "\n")
     return path
 
