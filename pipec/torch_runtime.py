@@ -13,7 +13,9 @@ copy of their weights), the blocks of other stages are left out, and the modules
 parameters outside the blocks are kept on the stage that computes them (those registered
 before the blocks on the first stage, those after on the last) and replaced by `nn.Identity`
 elsewhere. A later stage therefore runs the model's own forward on the residual stream it
-receives; a stage that is not the last returns the output of its last block. A model whose
+receives; a stage that is not the last returns the output of its last block, the last stage
+the tensors of the model's output (whose structure, such as a Hugging Face `ModelOutput`,
+`schedule` rebuilds for the loss function). A model whose
 code outside its blocks does more than modules in a row (say, adds position embeddings to the
 token embeddings) cannot be cut this way: the first block of a later stage would not receive
 the stage's input, and the stage says so at its first forward rather than compute something
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from passes.to_torch import torch_rows
 from pipec.build_dir import Build, load
@@ -43,10 +46,6 @@ def torch_build(build_dir: Path | str) -> Build:
     """The build, if torch's runtime can run it; else PipecError saying to use `pipec run`."""
     build = load(Path(build_dir))
     family = build.plan["schedule"]
-    if build.plan.get("model") is None:
-        raise PipecError(
-            f"{build_dir}: compiled without a model; compile with `pipec compile MODEL ...`"
-        )
     try:
         torch_rows(build.compiled, comms=False)
     except PipecError as e:
@@ -54,6 +53,10 @@ def torch_build(build_dir: Path | str) -> Build:
             f"{build_dir}: torch's runtime cannot run {family} ({e}); train it with "
             f"`pipec run {build_dir}`"
         ) from None
+    if build.plan.get("model") is None:
+        raise PipecError(
+            f"{build_dir}: compiled without a model; compile with `pipec compile MODEL ...`"
+        )
     return build
 
 
@@ -123,13 +126,44 @@ def schedule(build_dir: Path | str, stages: Sequence[Any], loss_fn: Loss) -> Any
             f"pipeline rank {rank} holds stages {want} of {layout.n_stages} in {build_dir}, "
             f"given {got}: build them from stage_modules({build_dir}, model, {rank})"
         )
-    runtime = _PipelineScheduleRuntime(list(stages), layout.m, loss_fn=loss_fn)
+    last = next((st.submod for st in stages if st.is_last), None)
+    rebuild = getattr(last, "_pipec_rebuild", None)
+    if rebuild is not None:
+        given = loss_fn
+
+        def loss_fn(out: Any, target: Tensor) -> Tensor:
+            return given(rebuild(out), target)
+
     rows = torch_rows(build.compiled, comms=False)
+    if _splits(rows) and any(_nested_fsdp(st.submod) for st in stages):
+        raise PipecError(
+            f"{build.plan['schedule']} splits the backward (I/W) and a stage holds FSDP units "
+            "inside it: torch's runtime then loses weight gradients; fully_shard each stage as "
+            "one unit (see splits_backward)"
+        )
+    runtime = _PipelineScheduleRuntime(list(stages), layout.m, loss_fn=loss_fn)
     runtime.pipeline_order = {
         r: [_Action.from_str(str(a)) for cell in row for a in cell] for r, row in enumerate(rows)
     }
     runtime._prepare_schedule_with_comms(runtime.pipeline_order)
     return runtime
+
+
+def splits_backward(build_dir: Path | str) -> bool:
+    """Whether the build runs input and weight backwards apart (torch's I and W): then FSDP2
+    must shard each stage as one unit, not block by block (measured on torch 2.13: per-block
+    units inside a stage lose weight gradients under I/W, whole-stage units do not)."""
+    return _splits(torch_rows(torch_build(build_dir).compiled, comms=False))
+
+
+def _splits(rows: list[list[tuple[Any, ...]]]) -> bool:
+    return any(a.type in ("I", "W") for row in rows for cell in row for a in cell)
+
+
+def _nested_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules() if m is not module)
 
 
 class _Stage:
@@ -138,20 +172,43 @@ class _Stage:
     def __init__(self, model: str, first: bool, last: bool, blocks: str) -> None:
         self.model, self.first, self.last, self.blocks = model, first, last, blocks
         self.input: Tensor | None = None
+        self.entered = False  # the first block began
         self.output: Tensor | None = None
+        self.spec: TreeSpec | None = None
+        self.leaves: list[Any] = []
 
     def check_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A later stage's first block must receive the stage's input itself."""
+        self.entered = True
         x = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
         if not _same(x, self.input):
-            raise PipecError(
-                f"{self.model} computes more than modules in a row before {self.blocks}: its "
-                "first block does not receive the embedding's output as is, so it cannot be cut "
-                "into stages of its own modules; move that code into a module or a block"
-            )
+            raise PipecError(self.outside())
+
+    def outside(self) -> str:
+        return (
+            f"{self.model} computes more than modules in a row before {self.blocks}: a later "
+            "stage's first block would not receive the stage's input as is, so the model "
+            "cannot be cut into stages of its own modules; move that code into a module"
+        )
 
     def keep_output(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.output = output
+
+    def tensors(self, out: Any) -> Any:
+        """The last stage's output as torch's stages need it (a tensor or a tuple of them);
+        `rebuild` turns them back into the model's own structure for the loss function."""
+        if isinstance(out, Tensor):
+            return out
+        leaves, self.spec = tree_flatten(out)
+        self.leaves = leaves
+        return tuple(x for x in leaves if isinstance(x, Tensor))
+
+    def rebuild(self, out: Any) -> Any:
+        if self.spec is None:
+            return out
+        given = iter(out if isinstance(out, tuple) else (out,))
+        leaves = [next(given) if isinstance(x, Tensor) else x for x in self.leaves]
+        return tree_unflatten(leaves, self.spec)
 
 
 def _same(a: Tensor | None, b: Tensor | None) -> bool:
@@ -174,14 +231,23 @@ def _cut(model: nn.Module, plan: ModelPlan, s: int, blocks: range) -> nn.Module:
     if not first:
         kept[0].register_forward_pre_hook(state.check_input, with_kwargs=True)
     model_forward = stage.forward
-    extra = {"use_cache": False} if "use_cache" in inspect.signature(model_forward).parameters else {}
+    extra = (
+        {"use_cache": False} if "use_cache" in inspect.signature(model_forward).parameters else {}
+    )
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        state.input = next((a for a in args if isinstance(a, Tensor)), None)
-        out = model_forward(*args, **(extra | kwargs))
-        return out if last else state.output
+        state.input, state.entered = next((a for a in args if isinstance(a, Tensor)), None), False
+        try:
+            out = model_forward(*args, **(extra | kwargs))
+        except Exception as e:
+            if first or state.entered:
+                raise
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            raise PipecError(f"{state.outside()} ({reason})") from e
+        return state.tensors(out) if last else state.output
 
     stage.forward = forward  # type: ignore[method-assign]
+    stage._pipec_rebuild = state.rebuild  # the loss sees the model's own output
     return stage
 
 
@@ -207,7 +273,10 @@ def _copy_along(
     for k, (name, child) in enumerate(module._modules.items()):
         if name == path[0]:
             copied._modules[name] = _copy_along(child, path[1:], first, last, blocks)
-        elif child is not None and any(True for _ in child.parameters()):
-            if not (first if k < on_path else last):
-                copied._modules[name] = nn.Identity()
+        elif _holds_parameters(child) and not (first if k < on_path else last):
+            copied._modules[name] = nn.Identity()
     return copied
+
+
+def _holds_parameters(module: nn.Module | None) -> bool:
+    return module is not None and any(True for _ in module.parameters())
