@@ -783,8 +783,14 @@ def run_cmd(directory: Path, nproc: int | None, launch_args: tuple[str, ...]) ->
 @click.option("--format", "fmt", type=click.Choice(["torch-csv"]), default="torch-csv")
 @click.option("--out", "-o", required=True, help="File to write ('-': standard output).")
 @click.option("--comms", is_flag=True, help="Add sends, receives, REDUCE_GRAD (compute_comms).")
-def export(directory: Path, fmt: str, out: str, comms: bool) -> None:
+@click.option("--torchtitan", is_flag=True, help="Also torchtitan's settings (.torchtitan.toml).")
+def export(directory: Path, fmt: str, out: str, comms: bool, torchtitan: bool) -> None:
     """Write a build's programs in torch.distributed.pipelining's per-rank action CSV."""
+    if torchtitan:
+        from pipec.torchtitan import export_torchtitan
+
+        click.echo(export_torchtitan(directory, out, comms))
+        return
     text = export_torch_csv(directory, comms)
     if out == "-":
         click.echo(text, nl=False)

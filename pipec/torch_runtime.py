@@ -101,6 +101,17 @@ def stage_modules(build_dir: Path | str, model: nn.Module, pp_rank: int) -> dict
     return out
 
 
+def pipeline_stages(
+    build_dir: Path | str, modules: dict[int, nn.Module], device: Any, group: Any = None
+) -> list[Any]:
+    """torch's `PipelineStage` for each of `stage_modules`' modules (after FSDP/TP), in stage
+    order, on the pipeline process `group` (a mesh's `mesh["pp"].get_group()`)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    n = torch_build(build_dir).compiled.layout.n_stages
+    return [PipelineStage(modules[s], s, n, device, group=group) for s in sorted(modules)]
+
+
 def schedule(build_dir: Path | str, stages: Sequence[Any], loss_fn: Loss) -> Any:
     """torch's `_PipelineScheduleRuntime` over `stages` (this rank's `PipelineStage`s, built on
     `stage_modules`' modules), loaded with the build's order (compute_only: torch adds the

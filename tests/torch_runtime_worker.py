@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -31,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 from pipec.build_dir import Build, load
 from pipec.frontend import ModelSpec, load_factory
 from pipec.ir import PipecError
-from pipec.torch_runtime import schedule, splits_backward, stage_modules
+from pipec.torch_runtime import pipeline_stages, schedule, splits_backward, stage_modules
 from runtime.data import micro_batch
 from runtime.faults import Watchdog
 from runtime.interpreter import HANDLERS, run_program
@@ -140,8 +139,7 @@ def run_torch(build: Build, case: dict, mode: str) -> dict:
     mods = stage_modules(build_dir, model, pp_rank)
     per_block = case.get("per_block", not splits_backward(build_dir))
     parallelize(mods, mode, case.get("tp_plan", {}), plan["blocks"]["path"], per_block)
-    group = mesh()["pp"].get_group()
-    stages = [PipelineStage(mods[s], s, layout.n_stages, CPU, group=group) for s in sorted(mods)]
+    stages = pipeline_stages(build_dir, mods, CPU, mesh()["pp"].get_group())
     try:
         runtime = schedule(build_dir, stages, spec.loss_fn)
     except PipecError as e:
