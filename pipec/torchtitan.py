@@ -42,7 +42,9 @@ def settings(build_dir: Path, csv_path: Path) -> dict[str, dict[str, Any]]:
     layout = build.compiled.layout
     plan = ModelPlan.from_json(build.plan["model"])
     style = placement(layout)
-    name = {"v": "ZBVZeroBubble"}.get(style, "Interleaved1F1B" if layout.n_stages > layout.p else "1F1B")
+    name = {"v": "ZBVZeroBubble"}.get(
+        style, "Interleaved1F1B" if layout.n_stages > layout.p else "1F1B"
+    )
     size = plan.micro_batch_size or plan.stages[0].inputs[0].shape[0]
     fqns = []
     for s, facts in enumerate(plan.stages):
