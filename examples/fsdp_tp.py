@@ -40,7 +40,7 @@ from pipec.model import compile_model
 from pipec.torch_runtime import pipeline_stages, schedule, splits_backward, stage_modules
 from runtime.data import micro_batch
 
-MODEL = "examples/llama.py:tiny"
+MODEL = f"{Path(__file__).with_name('llama.py')}:tiny"  # found from any directory
 # examples/llama.py's names; heads and the MLP split across the tp ranks.
 TP_PLAN = {
     "blocks.*.attn.wq": ColwiseParallel(),
