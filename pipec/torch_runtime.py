@@ -184,12 +184,15 @@ class _Stage:
         self.model, self.first, self.last, self.blocks = model, first, last, blocks
         self.input: Tensor | None = None
         self.entered = False  # the first block began
+        self.running = False  # the hooks sit on the model's own blocks: act only in the stage
         self.output: Tensor | None = None
         self.spec: TreeSpec | None = None
         self.leaves: list[Any] = []
 
     def check_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A later stage's first block must receive the stage's input itself."""
+        if not self.running:
+            return
         self.entered = True
         x = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
         if not _same(x, self.input):
@@ -203,7 +206,8 @@ class _Stage:
         )
 
     def keep_output(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.output = output
+        if self.running:
+            self.output = output
 
     def tensors(self, out: Any) -> Any:
         """The last stage's output as torch's stages need it (a tensor or a tuple of them);
@@ -248,6 +252,7 @@ def _cut(model: nn.Module, plan: ModelPlan, s: int, blocks: range) -> nn.Module:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         state.input, state.entered = next((a for a in args if isinstance(a, Tensor)), None), False
+        state.running = True
         try:
             out = model_forward(*args, **(extra | kwargs))
         except Exception as e:
@@ -255,6 +260,8 @@ def _cut(model: nn.Module, plan: ModelPlan, s: int, blocks: range) -> nn.Module:
                 raise
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             raise PipecError(f"{state.outside()} ({reason})") from e
+        finally:
+            state.running = False
         return state.tensors(out) if last else state.output
 
     stage.forward = forward  # type: ignore[method-assign]
