@@ -69,7 +69,7 @@ def compile_builds(tmp: Path) -> dict[str, dict]:
         layout = build_schedule(fam, Request(P, M, v, CostModel(), None)).layout
         key = (spec, layout.n_chunks)
         if key not in plans:
-            plans[key] = model_plan(spec, layout, "balanced", False)
+            plans[key] = model_plan(spec, layout, "uniform", False)  # no per-block costing
         costs = model_costs(plans[key], CostModel().of_chunks(layout.stash_share))
         name = f"{model}/{fam}"
         emit(compile_schedule(fam, P, M, v, costs, model=plans[key]), tmp / name)
