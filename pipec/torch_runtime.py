@@ -4,7 +4,8 @@ pipec does not shard parameters or split layers itself: `stage_modules` cuts the
 model at a build's block boundaries into the stages one pipeline rank holds (in the build's
 placement, looped or V), each a module whose parameters keep the model's names, so that
 `fully_shard` per block and `parallelize_module` plans such as
-`{"layers.*.attention.wq": ColwiseParallel()}` apply to it as to the whole model; `schedule`
+`{"layers.*.attention.wq": ColwiseParallel()}` apply to it as to the whole model (per-block
+units only when the build keeps each backward whole: see `splits_backward`); `schedule`
 returns torch's `_PipelineScheduleRuntime` running the build's exact order over those stages
 (wrapped in `PipelineStage`s on the mesh's pipeline group).
 
@@ -15,11 +16,11 @@ before the blocks on the first stage, those after on the last) and replaced by `
 elsewhere. A later stage therefore runs the model's own forward on the residual stream it
 receives; a stage that is not the last returns the output of its last block, the last stage
 the tensors of the model's output (whose structure, such as a Hugging Face `ModelOutput`,
-`schedule` rebuilds for the loss function). A model whose
-code outside its blocks does more than modules in a row (say, adds position embeddings to the
-token embeddings) cannot be cut this way: the first block of a later stage would not receive
-the stage's input, and the stage says so at its first forward rather than compute something
-else. Tied parameters across stages are refused: torch's `PipelineStage` keeps no tie.
+`schedule` rebuilds for the loss function). A model whose code outside its blocks does more
+than modules in a row (say, adds position embeddings to the token embeddings) cannot be cut
+this way: the first block of a later stage would not receive the stage's input, and the stage
+says so at its first forward rather than compute something else. Tied parameters across
+stages are refused: torch's `PipelineStage` keeps no tie.
 """
 
 from __future__ import annotations
