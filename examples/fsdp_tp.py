@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -33,7 +34,7 @@ from torch.distributed.tensor.parallel import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipec.build_dir import emit
+from pipec.build_dir import emit, load
 from pipec.frontend import load_factory
 from pipec.ir import PipecError
 from pipec.model import compile_model
@@ -59,7 +60,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--schedule", default="v-half", help="pipec family (default v-half)")
     ap.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
-    ap.add_argument("--microbatches", type=int, default=4, help="per step (default 4)")
+    ap.add_argument("--microbatches", type=int, default=4, help="m per step (default 4)")
     ap.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     ap.add_argument("--build", type=Path, default=Path("build/fsdp_tp"), help="build directory")
@@ -90,39 +91,48 @@ def main() -> None:
         sys.exit(2)
     dims = (args.pp, world // (args.pp * args.tp), args.tp)
     mesh = init_device_mesh(device.type, dims, mesh_dim_names=("pp", "dp", "tp"))
+    for step, loss in enumerate(train(args.build, mesh, device, args.steps, args.lr), 1):
+        if dist.get_rank() == 0:
+            print(f"step {step} loss {loss:.4f}", flush=True)
+    dist.destroy_process_group()
+
+
+def train(
+    build: Path, mesh: DeviceMesh, device: torch.device, steps: int, lr: float
+) -> Iterator[float]:
+    """Train MODEL with `build`'s schedule over `mesh` (pp, dp, tp); yield each step's loss
+    (the same on every rank)."""
     spec = load_factory(MODEL)  # same seed on every rank: the same initial weights
     model = spec.model.to(device)
-    stages = stage_modules(args.build, model, mesh["pp"].get_local_rank())
+    stages = stage_modules(build, model, mesh["pp"].get_local_rank())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    per_block = not splits_backward(args.build)  # see docs/torch-engine.md
+    per_block = not splits_backward(build)  # see docs/torch-engine.md
     for module in stages.values():
-        if args.tp > 1:
+        if mesh["tp"].size() > 1:
             parallelize_module(module, mesh["tp"], TP_PLAN)
         for block in module.get_submodule(BLOCKS).children() if per_block else ():
             fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
         fully_shard(module, mesh=mesh["dp"], mp_policy=mp)
-    pipeline = pipeline_stages(args.build, stages, device, mesh["pp"].get_group())
-    runtime = schedule(args.build, pipeline, spec.loss_fn)
+    pipeline = pipeline_stages(build, stages, device, mesh["pp"].get_group())
+    runtime = schedule(build, pipeline, spec.loss_fn)
     first = any(st.is_first for st in pipeline)
     last = any(st.is_last for st in pipeline)
-    dp_rank = mesh["dp"].get_local_rank()
-    batches = [micro_batch(spec, dp_rank * args.microbatches + i) for i in range(args.microbatches)]
+    m = load(build).compiled.layout.m
+    batches = [micro_batch(spec, mesh["dp"].get_local_rank() * m + i) for i in range(m)]
     x = torch.cat([b[0][0] for b in batches]).to(device)
     y = torch.cat([b[1] for b in batches]).to(device)
-    params = [p for m in stages.values() for p in m.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=args.lr)
-    for step in range(1, args.steps + 1):
+    params = [p for module in stages.values() for p in module.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    for _ in range(steps):
         losses: list[torch.Tensor] = []
         runtime.step(*((x,) if first else ()), target=y if last else None, losses=losses,
                      return_outputs=False)  # fmt: skip
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        mine = torch.stack(losses).float().mean() if losses else torch.zeros(())
-        total = torch.stack([mine, torch.tensor(float(bool(losses)))]).to(device)
+        mine = [float(torch.stack(losses).float().mean()), 1.0] if losses else [0.0, 0.0]
+        total = torch.tensor(mine, device=device)
         dist.all_reduce(total)  # the mean over the ranks holding the last stage
-        if dist.get_rank() == 0:
-            print(f"step {step} loss {total[0].item() / total[1].item():.4f}", flush=True)
-    dist.destroy_process_group()
+        yield (total[0] / total[1]).item()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ bf16's precision). The bad inputs are refused in one line without a process grou
 """
 
 import json
+from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -82,6 +83,9 @@ def compile_builds(tmp: Path) -> dict[str, dict]:
         "per_block": True,
         "steps": 0,
     }
+    # examples/fsdp_tp.py's loop (FSDP2 bf16 + TP) on the v-half build
+    cases["example"] = {"name": "example", "build": cases["llama/v-half"]["build"]}
+    cases["example"] |= {"example": True, "steps": 4, "lr": 3e-3}
     return cases
 
 
@@ -94,7 +98,7 @@ def compiled(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
 @pytest.fixture(scope="module")
 def results(compiled) -> dict[str, dict]:
     tmp, cases = compiled
-    run = run_cases(list(cases.values()), 4, tmp, timeout=600, script=WORKER)
+    run = run_cases(list(cases.values()), 4, tmp, timeout=900, script=WORKER)
     for r in run.results:  # every rank's view must hold; rank 0's is returned
         for name, res in r.items():
             assert res["ok"], (name, res.get("error"))
@@ -116,6 +120,13 @@ def test_fsdp_and_tp_match_one_process_and_pipec(results, model, fam):
             if mode != "fsdp-bf16":
                 assert got["grads_checked"] > 0
                 assert got["grad_errors"] == [], (mode, rank, got["grad_errors"][:3])
+
+
+@pytest.mark.slow
+def test_the_example_trains_with_a_falling_loss(results):
+    losses = results["example"]["ranks"][0]["losses"]
+    assert len(losses) == 4 and all(b < a for a, b in pairwise(losses)), losses
+    assert all(r["losses"] == losses for r in results["example"]["ranks"])
 
 
 @pytest.mark.slow

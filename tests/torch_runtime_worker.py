@@ -13,6 +13,7 @@ modes), by parameter name; or the one-line refusal of `schedule`.
 """
 
 import copy
+import importlib.util
 from functools import cache
 from pathlib import Path
 
@@ -118,8 +119,21 @@ def grad_errors(mods: dict, reference: torch.nn.Module) -> list[str]:
     return errors
 
 
+def run_example(case: dict) -> dict:
+    """examples/fsdp_tp.py's training loop on the case's build, pp2 x dp1 x tp2."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "fsdp_tp.py"
+    spec = importlib.util.spec_from_file_location("fsdp_tp", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    grid = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    losses = example.train(Path(case["build"]), grid, CPU, case["steps"], case["lr"])
+    return {"losses": list(losses), "ok": True}
+
+
 def run_case(case: dict, watchdog: Watchdog) -> dict:
     """pipec's losses on the build once, then torch's runtime in each of the case's modes."""
+    if case.get("example"):
+        return run_example(case)
     build = load(Path(case["build"]))
     result = {"pipec": pipec_losses(build, case, watchdog) if case["steps"] else []}
     for mode in case["modes"]:
