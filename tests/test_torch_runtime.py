@@ -250,3 +250,10 @@ def test_export_torchtitan_refusals_write_nothing(tmp_path, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+def test_parameters_tied_across_stages_are_refused(tmp_path):
+    emit(compile_model("examples/gpt.py:tiny_tied", "1f1b", P, M), tmp_path / "tied")
+    with pytest.raises(PipecError) as e:
+        stage_modules(tmp_path / "tied", load_factory("examples/gpt.py:tiny_tied").model, 0)
+    assert "tie_word_embeddings=False" in _one_line(e)
