@@ -76,7 +76,6 @@ def apply_rotary(x: Tensor, theta: float) -> Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.theta = cfg.rope_theta
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
@@ -85,13 +84,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, t, d = x.size()
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # Head counts from the projections' widths (-1), not the config: under tensor
+        # parallelism each rank's wq/wk/wv hold a slice of the heads.
+        b, t, _ = x.size()
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, self.theta), apply_rotary(k, self.theta)
         y = attention(q, k, v, is_causal=True)  # k/v heads are shared by groups of q heads
-        return self.wo(y.transpose(1, 2).reshape(b, t, d))
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class FeedForward(nn.Module):

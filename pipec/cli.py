@@ -833,10 +833,16 @@ def run_cmd(directory: Path, nproc: int | None, launch_args: tuple[str, ...]) ->
 @click.option("--out", "-o", required=True, help="File to write ('-': standard output).")
 @click.option("--comms", is_flag=True, help="Add sends, receives, REDUCE_GRAD (compute_comms).")
 @click.option("--force", is_flag=True, help="Replace an existing --out file.")
-def export(directory: Path, fmt: str, out: str, comms: bool, force: bool) -> None:
+@click.option("--torchtitan", is_flag=True, help="Also torchtitan's settings (.torchtitan.toml).")
+def export(directory: Path, fmt: str, out: str, comms: bool, force: bool, torchtitan: bool) -> None:
     """Write a build's programs in torch.distributed.pipelining's per-rank action CSV."""
     if out != "-" and Path(out).exists() and not force:
         raise PipecError(f"--out {out} exists; pass --force to replace it, or name a new file")
+    if torchtitan:
+        from pipec.torchtitan import export_torchtitan
+
+        click.echo(export_torchtitan(directory, out, comms))
+        return
     text = export_torch_csv(directory, comms)
     if out == "-":
         click.echo(text, nl=False)
