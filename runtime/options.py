@@ -135,11 +135,10 @@ def config_argv(ap: argparse.ArgumentParser, path: Path) -> list[str]:
 def effective(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     """Every option's value in this run, JSON-ready (paths as strings), by key."""
     out = {}
-    for a in ap._actions:
-        if a.dest in ("help",):
-            continue
-        value = getattr(args, a.dest, None)
-        out[a.dest] = str(value) if isinstance(value, Path) else value
+    for a in ap._actions:  # argparse's list of options (no public accessor)
+        if a.dest != "help":
+            value = getattr(args, a.dest, None)
+            out[a.dest] = str(value) if isinstance(value, Path) else value
     return out
 
 
