@@ -12,7 +12,8 @@ collective is the sum of the losses at the end.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ from runtime.data import Stream
 from runtime.faults import Watchdog
 from runtime.interpreter import Handler, run_program
 from runtime.rank import Rank
+
+if TYPE_CHECKING:
+    from runtime.metrics import Metrics
 
 
 def forward(rt: Rank, instr: Instr) -> None:
@@ -77,3 +81,20 @@ def evaluate(rt: Rank, batches: int, watchdog: Watchdog) -> float:
     dist.all_reduce(sums)
     loss_sum, n = sums.tolist()
     return loss_sum / n
+
+
+def evaluator(
+    rt: Rank, every: int, batches: int, watchdog: Watchdog, metrics: Metrics | None
+) -> Callable[[int], None] | None:
+    """After every `every` steps (0: never), the mean loss of `batches` evaluation batches,
+    for rank 0's log."""
+    if not every:
+        return None
+
+    def after(step: int) -> None:
+        if step % every == 0:
+            loss = evaluate(rt, batches, watchdog)
+            if metrics:
+                metrics.eval(step, loss, batches)
+
+    return after

@@ -24,7 +24,6 @@ runs one step and compares every stage's gradients with the plain model's
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -44,12 +43,12 @@ from pipec.frontend import FrontendError, load_factory
 from pipec.ir import Op, PipecError
 from pipec.provenance import check_model, resolve
 from runtime.data import open_source
-from runtime.evaluate import evaluate
+from runtime.evaluate import evaluator
 from runtime.faults import DEFAULT_TIMEOUT_S, Watchdog, report
 from runtime.gradcheck import GradCapture, compare, reference_grads
 from runtime.interpreter import HANDLERS, Handler, StepTrace, check_program, run_program
 from runtime.measure import rank_report, summarize, timeline, write
-from runtime.metrics import Metrics, StepFigures, gather_step, peak_flops
+from runtime.metrics import Metrics, StepFigures, gather_step, open_metrics
 from runtime.options import LaunchParser, add_options, changed, effective, parse
 from runtime.rank import Rank, check_runnable
 
@@ -409,38 +408,6 @@ def check_grads(
 
 def _join(items: list[int]) -> str:
     return ", ".join(map(str, items))
-
-
-def open_metrics(rt: Rank, args: argparse.Namespace, device: torch.device, config: dict) -> Metrics:
-    """Rank 0's metrics log: measured/config.json holds the run's options, metrics.jsonl and
-    TensorBoard (--tensorboard DIR) each step's figures."""
-    out = rt.build.path / MEASURED
-    out.mkdir(exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    board = None
-    if args.tensorboard is not None:
-        from torch.utils.tensorboard import SummaryWriter  # the optional extra: checked in parse
-
-        board = SummaryWriter(str(args.tensorboard))
-    peak = peak_flops(device, getattr(args, "precision", "fp32"), args.peak_tflops)
-    return Metrics(rt.build, rt.spec, args.steps, peak, out / "metrics.jsonl", board)
-
-
-def evaluator(
-    rt: Rank, every: int, batches: int, watchdog: Watchdog, metrics: Metrics | None
-) -> Callable[[int], None] | None:
-    """After every `every` steps (0: never), the mean loss of `batches` evaluation batches,
-    for rank 0's log."""
-    if not every:
-        return None
-
-    def after(step: int) -> None:
-        if step % every == 0:
-            loss = evaluate(rt, batches, watchdog)
-            if metrics:
-                metrics.eval(step, loss, batches)
-
-    return after
 
 
 def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:

@@ -17,6 +17,7 @@ step's FLOPs ÷ (step time × ranks × peak FLOP/s of one device).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -28,6 +29,7 @@ from typing import IO, TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from pipec.build_dir import MEASURED
 from pipec.ir import Op, Program
 
 if TYPE_CHECKING:
@@ -253,3 +255,18 @@ def _si(x: float) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.3g} {suffix}"
     return f"{x:.3g} "
+
+
+def open_metrics(rt: Rank, args: argparse.Namespace, device: torch.device, config: dict) -> Metrics:
+    """Rank 0's metrics log: measured/config.json holds the run's options, metrics.jsonl and
+    TensorBoard (--tensorboard DIR) each step's figures."""
+    out = rt.build.path / MEASURED
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    board = None
+    if args.tensorboard is not None:
+        from torch.utils.tensorboard import SummaryWriter  # the optional extra: checked in parse
+
+        board = SummaryWriter(str(args.tensorboard))
+    peak = peak_flops(device, getattr(args, "precision", "fp32"), args.peak_tflops)
+    return Metrics(rt.build, rt.spec, args.steps, peak, out / "metrics.jsonl", board)
