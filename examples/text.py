@@ -7,7 +7,8 @@ Tokens are bytes (256 of them, no tokenizer), so an untrained model's loss is ln
 nats; learning which characters are common, then which follow which, takes it below 3 within
 a few dozen steps. The factory gives its data as `ModelSpec.data`: batch k is `rows` windows
 of the text at offsets drawn from a generator seeded by k, so any batch can be produced
-directly, which is what a resumed run asks for.
+directly, which is what a resumed run asks for. The text's last HELD_OUT part is not trained
+on: it is `ModelSpec.eval_data`, for `launch.py --eval-every K`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pipec.frontend import ModelSpec, next_token_loss
 
 TEXT = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
 CONFIG = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=8, micro_batch=4)
+HELD_OUT = 0.05  # the share of the text kept for evaluation
 
 
 def text_bytes(path: Path = TEXT) -> Tensor:
@@ -56,11 +58,13 @@ def batches(tokens: Tensor, length: int):  # type: ignore[no-untyped-def]
 def shakespeare() -> ModelSpec:
     """8 layers, d=64, micro-batches of 4 windows of 64 bytes of Shakespeare."""
     tokens = text_bytes()
+    split = int(len(tokens) * (1 - HELD_OUT))
     example, target = windows(tokens, torch.arange(CONFIG.micro_batch) * 1000, CONFIG.seq_len)
     return ModelSpec(
         GPT(CONFIG),
         (example,),
         target,
         next_token_loss,
-        data=batches(tokens, CONFIG.seq_len),
+        data=batches(tokens[:split], CONFIG.seq_len),
+        eval_data=batches(tokens[split:], CONFIG.seq_len),
     )

@@ -74,7 +74,7 @@ def _message_peer_error(instr: Instr, rank: int, compiled: Compiled) -> str | No
     return None
 
 
-def check_execution(compiled: Compiled) -> None:
+def check_execution(compiled: Compiled, training: bool = True) -> None:
     """Invariants 2 and 3: run every program with blocking point-to-point semantics.
 
     A rank runs until a message whose counterpart its peer has not reached; the peer, on
@@ -82,7 +82,8 @@ def check_execution(compiled: Compiled) -> None:
     once per instruction of 10^5-10^6: well-formed sends and receives take an inline path
     (tuples, no Instr built); anything else goes through `_message`, which also words errors.
     A compute op whose stage the layout lacks is refused; that each op appears once, on its
-    rank, is invariant 1's part (`check_coverage`).
+    rank, is invariant 1's part (`check_coverage`). A training program ends with its
+    OPTIMIZER_STEP; an evaluation program (`training` False, passes/forward_only.py) has none.
     """
     layout, programs = compiled.layout, compiled.programs
     recompute = uses_recompute(programs)
@@ -168,7 +169,7 @@ def check_execution(compiled: Compiled) -> None:
         pos[r] = k
     if any(pos[r] < len(programs[r]) for r in range(n)):
         raise _deadlock(compiled, pos)
-    for r, prog in enumerate(programs):
+    for r, prog in enumerate(programs if training else ()):
         if not prog or prog[-1].op is not Op.OPTIMIZER_STEP:
             raise VerifyError(f"rank {r}: the program must end with OPTIMIZER_STEP")
 

@@ -1,6 +1,7 @@
 """The build directory: written atomically by `emit`, read back (and checked) by `load`.
 
 OUT/rank_000.pipe ...   one program per rank (text form)
+OUT/eval_rank_000.pipe  with a model: each rank's forward-only program, for evaluation
 OUT/plan.json           schedule, layout, costs, model facts; its hash is in every program
 OUT/stats.json          simulated makespan, bubbles, per-rank busy/span/peak
 OUT/timeline.json       the simulated run as a Chrome/Perfetto trace
@@ -15,7 +16,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -28,13 +29,14 @@ from codegen.render import (
     trace_json,
 )
 from passes.costs import CostModel
+from passes.forward_only import verify_forward
 from passes.residency import check_stash_bytes
 from passes.simulate import SimResult, simulate
 from passes.stash_timeline import stash_over_time
 from passes.verify import verify
 from pipec.beside import beside
 from pipec.compile import PLAN_FORMAT, CompileResult, check_dp, gc_paused, plan_hash
-from pipec.ir import FORMAT_VERSION, Compiled, Layout, PipecError, instruction_count
+from pipec.ir import FORMAT_VERSION, Compiled, Layout, PipecError, Program, instruction_count
 from pipec.textform import Header, parse_program
 
 #: The files of every build besides its rank programs; a run adds the folder MEASURED.
@@ -51,6 +53,11 @@ ESTIMATE_NOTE = (
 
 def rank_file(rank: int) -> str:
     return f"rank_{rank:03d}.pipe"
+
+
+def eval_file(rank: int) -> str:
+    """The rank's evaluation program (passes/forward_only.py), beside its training one."""
+    return f"eval_{rank_file(rank)}"
 
 
 def title(result: CompileResult) -> str:
@@ -97,6 +104,8 @@ def render_half(result: CompileResult, half: int) -> dict[str, str]:
             continue
         header = Header(FORMAT_VERSION, rank, c.world, c.schedule, c.p, c.m, c.v, result.plan_hash)
         files[rank_file(rank)] = render_program(header, c.programs[rank])
+        if result.eval_programs:
+            files[eval_file(rank)] = render_program(header, result.eval_programs[rank])
     if half == 0:
         files["schedule.svg"] = render_svg(result.sim, title(result), chart_facts(result))
         return files
@@ -130,9 +139,10 @@ def stats(c: Compiled, costs: CostModel, sim: SimResult) -> dict:
 
 def file_names(plan: dict) -> set[str]:
     """The files a build of `plan` holds (a run adds the folder MEASURED beside them)."""
-    names = {rank_file(rank) for rank in range(int(plan["world"]))} | set(REPORTS)
+    ranks = range(int(plan["world"]))
+    names = {rank_file(rank) for rank in ranks} | set(REPORTS)
     if plan.get("model") is not None:
-        names.add("launch.py")
+        names |= {"launch.py", *map(eval_file, ranks)}
     return names
 
 
@@ -252,13 +262,15 @@ def _write(directory: Path, result: CompileResult, half: int) -> None:
 
 @dataclass(frozen=True)
 class Build:
-    """A build directory read back: its plan, costs and parsed programs."""
+    """A build directory read back: its plan, costs and parsed programs (with a model, the
+    evaluation programs too)."""
 
     path: Path
     plan: dict
     plan_hash: str
     compiled: Compiled
     costs: CostModel
+    eval_programs: tuple[Program, ...] = ()
 
 
 def load(path: Path) -> Build:
@@ -286,11 +298,11 @@ def load(path: Path) -> Build:
     except PipecError as e:
         raise PipecError(f"{plan_file}: {e}; recompile") from None
     digest = plan_hash(text)
-    programs = []
-    for rank in range(world):
-        f = path / rank_file(rank)
+
+    def read(name: str, rank: int) -> Program:
+        f = path / name
         if not f.is_file():
-            raise PipecError(f"{f}: missing (the plan has {world} ranks)")
+            raise PipecError(f"{f}: missing (the plan has {world} ranks); recompile the directory")
         header, program = parse_program(f.read_text(), str(f))
         expected = Header(FORMAT_VERSION, rank, world, schedule, p, m, v, digest)
         if header != expected:
@@ -298,16 +310,21 @@ def load(path: Path) -> Build:
                 f"{f}: header does not match plan.json (got '{header}', expected '{expected}'); "
                 "recompile the directory"
             )
-        programs.append(program)
-    compiled = Compiled(schedule, p, m, v, layout, tuple(programs))
-    return Build(path, plan, digest, compiled, costs)
+        return program
+
+    programs = tuple(read(rank_file(rank), rank) for rank in range(world))
+    evaluation: tuple[Program, ...] = ()
+    if plan.get("model") is not None:
+        evaluation = tuple(read(eval_file(rank), rank) for rank in range(world))
+    compiled = Compiled(schedule, p, m, v, layout, programs)
+    return Build(path, plan, digest, compiled, costs, evaluation)
 
 
 def check_build(build: Build) -> SimResult:
     """What `pipec verify` proves of a build, and its re-simulation: the directory holds
     exactly the plan's files (beside any subdirectories), the programs keep the four
-    invariants (and a byte limit the plan names), and stats.json is what simulating them
-    gives."""
+    invariants (and a byte limit the plan names), the evaluation programs are a valid
+    forward pass, and stats.json is what simulating them gives."""
     # Directories are the user's (a run's measured/, checkpoints); files are the build's.
     present = {p.name for p in build.path.iterdir() if not p.is_dir()}
     expected = file_names(build.plan)
@@ -322,6 +339,8 @@ def check_build(build: Build) -> SimResult:
     check_launch(build)
     c = build.compiled
     verify(c, build.costs, None, build.plan.get("memory_limit"), dp=int(build.plan.get("dp", 1)))
+    if build.eval_programs:
+        verify_forward(replace(c, programs=build.eval_programs))
     sim = simulate(c.layout, c.programs, build.costs)
     if build.plan.get("memory_limit_bytes") is not None:
         check_stash_bytes(sim, build.plan["memory_limit_bytes"])

@@ -615,7 +615,9 @@ def verify_cmd(directory: Path) -> None:
     n = sum(len(p) for p in c.programs)
     click.echo(
         f"ok: {c.world} ranks, {n} instructions verified (coverage, dependencies, "
-        f"deadlock-free matching, memory; files and stats.json); makespan {sim.makespan:.6g}"
+        f"deadlock-free matching, memory; files and stats.json"
+        + (", and the evaluation programs" if build.eval_programs else "")
+        + f"); makespan {sim.makespan:.6g}"
     )
 
 

@@ -16,6 +16,7 @@ from functools import partial
 from codegen.render import dump_json
 from passes.costs import CostModel
 from passes.data_parallel import add_dp_sync
+from passes.forward_only import forward_only, verify_forward
 from passes.lower import lower
 from passes.placement import place
 from passes.registry import Request, build_schedule, family
@@ -23,7 +24,7 @@ from passes.residency import check_stash_bytes
 from passes.simulate import Played, SimResult, play, simulate
 from passes.verify import check_execution, verify
 from pipec.beside import beside
-from pipec.ir import Compiled, PipecError, Schedule, instruction_count
+from pipec.ir import Compiled, PipecError, Program, Schedule, instruction_count
 
 PLAN_FORMAT = "pipec.plan/1"
 UNIT_COSTS = CostModel()  # F=B=W=1 per rank's share, comm 0: the default (frozen, shared)
@@ -50,7 +51,8 @@ class Options:
 
 @dataclass(frozen=True)
 class CompileResult:
-    """A verified compile: the programs, their simulation, and the plan they belong to."""
+    """A verified compile: the programs, their simulation, and the plan they belong to; with
+    a model, the verified evaluation programs too (passes/forward_only.py)."""
 
     compiled: Compiled
     sim: SimResult
@@ -58,6 +60,7 @@ class CompileResult:
     plan: dict
     plan_text: str
     plan_hash: str
+    eval_programs: tuple[Program, ...] = ()
 
 
 @contextmanager
@@ -177,4 +180,8 @@ def package(
     if opts.limit_in_bytes:
         plan["memory_limit_bytes"] = limit
     text = dump_json(plan)
-    return CompileResult(compiled, sim, costs, plan, text, plan_hash(text))
+    evaluation: tuple[Program, ...] = ()
+    if opts.model is not None:  # only a build with a model runs, and evaluates
+        evaluation = forward_only(compiled.programs)
+        verify_forward(replace(compiled, programs=evaluation))
+    return CompileResult(compiled, sim, costs, plan, text, plan_hash(text), evaluation)

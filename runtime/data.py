@@ -56,15 +56,16 @@ class Synthetic:
 
 
 class Stream:
-    """The factory's global batches from batch `start` on, each cut into n micro-batches."""
+    """The factory's global batches (its `field`: data, or eval_data) from batch `start` on,
+    each cut into n micro-batches."""
 
-    def __init__(self, spec: ModelSpec, n: int, start: int = 0) -> None:
-        self.spec, self.n, self.position = spec, n, start
+    def __init__(self, spec: ModelSpec, n: int, start: int = 0, field: str = "data") -> None:
+        self.spec, self.n, self.position, self.field = spec, n, start, field
         self.rows = n * spec.example_target.shape[0]
         self._batches: Iterator | None = None  # opened by the first `next`: ranks that read
 
     def _open(self) -> Iterator:
-        data, start = self.spec.data, self.position
+        data, start = getattr(self.spec, self.field), self.position
         if callable(data):
             return iter(data(self.rows, start))
         return itertools.islice(self._cycle(data), start, None)
@@ -86,8 +87,9 @@ class Stream:
             batch = next(self._batches)
         except StopIteration:
             raise PipecError(
-                f"ModelSpec.data ran out at batch {self.position}; yield batches for every "
-                "step (a list or other iterable is read again; a generator or iterator is not)"
+                f"ModelSpec.{self.field} ran out at batch {self.position}; yield batches for "
+                "every step (a list or other iterable is read again; a generator or iterator "
+                "is not)"
             ) from None
         inputs, target = self._check(batch)
         self.position += 1
@@ -96,7 +98,7 @@ class Stream:
 
     def _check(self, batch: object) -> tuple[tuple[Tensor, ...], Tensor]:
         """The batch as (inputs tuple, target), its shapes and dtypes those the plan needs."""
-        where = f"ModelSpec.data batch {self.position}"
+        where = f"ModelSpec.{self.field} batch {self.position}"
         if not (isinstance(batch, tuple | list) and len(batch) == 2):
             raise PipecError(f"{where} is a {type(batch).__name__}; yield (inputs, target)")
         inputs, target = batch

@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node P OUT/launch.py [--steps N] [--lr LR] [--save DIR]
         [--save-every K] [--resume DIR] [--check-grads] [--timeout S] [--model SPEC]
-        [--backend gloo|nccl] [--share-gpu]
+        [--backend gloo|nccl] [--share-gpu] [--config FILE.toml] [--tensorboard DIR]
+        [--eval-every K] [--eval-steps N] [--peak-tflops X]
 
 The backend is NCCL with CUDA (one GPU per rank), else gloo on CPU; `--share-gpu` runs several
 ranks on each GPU over gloo, their messages staged through host memory (runtime/p2p.py), which
@@ -12,10 +13,12 @@ Order matters. First the checks every rank would fail alike (backend, the build 
 verified, world size, the model's factory found and still matching the plan, the checkpoint to
 resume from): rank 0 says what is wrong in one line, every rank exits 2. Then this rank's
 stages are rebuilt (a defect: one line from that rank, exit 2). Only then does the rank join the
-process group, load the checkpoint, and train to step N printing the loss, saving every K steps
-and at the end; last, the measured timeline and figures go to OUT/measured/ and are printed
-beside the simulation's. `--check-grads` instead runs one step and compares every stage's
-gradients with the plain model's (runtime/gradcheck.py); exit 1 when one differs.
+process group, load the checkpoint, and train to step N, rank 0 printing each step's metrics
+and writing them to OUT/measured/metrics.jsonl (runtime/metrics.py), saving every K steps and
+at the end, evaluating every K' steps (runtime/evaluate.py); last, the measured timeline and
+figures go to OUT/measured/ and are printed beside the simulation's. `--check-grads` instead
+runs one step and compares every stage's gradients with the plain model's
+(runtime/gradcheck.py); exit 1 when one differs.
 """
 
 from __future__ import annotations
@@ -43,10 +46,13 @@ from pipec.progress import progress
 from pipec.provenance import check_model, resolve
 from pipec.run_checks import check_writable
 from runtime.data import open_source
+from runtime.evaluate import evaluator
 from runtime.faults import DEFAULT_TIMEOUT_S, Watchdog, report
 from runtime.gradcheck import DropoutOff, GradCapture, compare, reference_grads
 from runtime.interpreter import HANDLERS, Handler, StepTrace, check_program, run_program
 from runtime.measure import rank_report, summarize, timeline, write
+from runtime.metrics import Metrics, StepFigures, gather_step, open_metrics
+from runtime.options import LaunchParser, add_options, changed, effective, parse
 from runtime.rank import Rank, check_runnable
 
 #: What a rank's start-up does, by module (pipec.progress: the outermost on the stack names it).
@@ -59,7 +65,20 @@ START_STEPS = (
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="launch.py", description=__doc__.splitlines()[0])
+    """launch.py's options, checked (a refusal: one line, exit 2); `pipec run` checks its
+    arguments with it too."""
+    ap = launch_parser()
+    args = parse(ap, argv)
+    if args.steps < 1 or args.timeout <= 0 or args.save_every < 0:
+        ap.error("--steps must be at least 1, --timeout positive, --save-every 0 or more")
+    if args.check_grads and args.save:
+        ap.error("--check-grads runs one step and saves nothing; drop --save")
+    return args
+
+
+def launch_parser() -> argparse.ArgumentParser:
+    """Every option of launch.py (`--config` files take the same, by their destinations)."""
+    ap = LaunchParser(prog="launch.py", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     ap.add_argument(
@@ -105,12 +124,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--no-verify", action="store_true", help="skip `pipec verify`'s checks (huge builds)"
     )
-    args = ap.parse_args(argv)
-    if args.steps < 1 or args.timeout <= 0 or args.save_every < 0:
-        ap.error("--steps must be at least 1, --timeout positive, --save-every 0 or more")
-    if args.check_grads and args.save:
-        ap.error("--check-grads runs one step and saves nothing; drop --save")
-    return args
+    add_options(ap)
+    return ap
 
 
 def train(
@@ -121,28 +136,32 @@ def train(
     on_step: Callable[[int, float, StepTrace], None] | None = None,
     start: int = 0,
     after_step: Callable[[int], None] | None = None,
+    report: Callable[[StepFigures], None] | None = None,
 ) -> list[StepTrace]:
     """Run the program for steps start+1 … `steps`; after each, `after_step(step)` (every rank,
-    before the next step's barrier: checkpoints) and later `on_step(step - 1, mean loss, trace)`.
-    Returns the steps' traces: fewer than asked when a stop signal came (`watchdog.stopping`).
+    before the next step's barrier: checkpoints, evaluation) and later
+    `on_step(step - 1, mean loss, trace)` and `report(every rank's figures)`. Returns the steps'
+    traces: fewer than asked when a stop signal came (`watchdog.stopping`).
 
-    The only collectives are the barrier before each step and the loss sum after it. The sum
-    is asynchronous and awaited after the next barrier, so a rank that stops between steps is
-    met in the barrier, which names it, never in the sum, where nobody could. The sum also
-    counts the ranks asked to stop, so that all of them stop after the same step.
+    The only collectives are the barrier before each step and the gather of every rank's
+    figures after it (runtime/metrics.py: the loss sum, time, peak bytes, whether the rank was
+    asked to stop). The gather is asynchronous and awaited after the next barrier, so a rank
+    that stops between steps is met in the barrier, which names it, never in the gather, where
+    nobody could; since every rank sees every rank's stop flag, all of them stop after the same
+    step.
     """
     traces: list[StepTrace] = []
-    pending: tuple[torch.Tensor, dist.Work] | None = None
+    pending: tuple[list[torch.Tensor], dist.Work] | None = None
 
     def finish_step() -> bool:
-        total, work = pending
+        rows, work = pending
         work.wait()
-        loss_sum, count, stopping = total.tolist()
+        figures = StepFigures.of(start + len(traces), rows)
         if on_step:
-            on_step(
-                start + len(traces) - 1, loss_sum / count if count else float("nan"), traces[-1]
-            )
-        return stopping > 0
+            on_step(figures.step - 1, figures.loss, traces[-1])
+        if report:
+            report(figures)
+        return figures.stopping
 
     for step in range(start, steps):
         # Every step starts together: one clock origin for all ranks.
@@ -151,12 +170,8 @@ def train(
             return traces
         rt.new_step()
         traces.append(run_program(rt, handlers, watchdog))
-        stop = float(watchdog.stopping.is_set())
-        total = torch.tensor(
-            [sum(rt.losses.values()), len(rt.losses), stop], dtype=torch.float64, device=rt.device
-        )
+        pending = gather_step(rt, traces[-1], watchdog.stopping.is_set())
         rt.losses.clear()
-        pending = total, dist.all_reduce(total, async_op=True)
         if after_step:
             after_step(step + 1)
     step_barrier("after the last step", watchdog.timeout)
@@ -241,6 +256,11 @@ def preflight(
     check_model(factory.model, model_plan, spec)
     if args.save:
         check_writable(args.save)  # now, not after training
+    if args.eval_every and factory.eval_data is None and not args.check_grads:
+        raise PipecError(
+            f"--eval-every {args.eval_every}: the ModelSpec of {spec} has no eval_data; give it "
+            "eval_data (batches in the form of data) or drop --eval-every"
+        )
     if args.save and checkpoint.checkpoints(args.save) and not args.resume:
         raise PipecError(
             f"--save {args.save} already holds checkpoints (newest "
@@ -295,9 +315,12 @@ def main(
             sys.exit(2)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if grank == 0:
+        print(f"config: {changed(launch_parser(), args)}", flush=True)
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
     watchdog = Watchdog(args.timeout, rt.describe)
     failed = False
+    metrics: Metrics | None = None
     try:
         optimizer = GradCapture if args.check_grads else _adamw(args.lr)
         rt.connect(optimizer, args.timeout)
@@ -307,10 +330,21 @@ def main(
         else:
             saved: dict[int, Path] = {}
             if grank == 0:
+                config = effective(launch_parser(), args)
+                metrics = open_metrics(rt, args, device, config)
                 print(training_line(args), flush=True)
-            log = _log_step(args.steps, saved) if grank == 0 else None
             save = saver(rt, args.save, args.save_every, args.steps, saved) if args.save else None
-            traces = train(rt, args.steps, handlers, watchdog, log, run.start, save)
+            evaluation = evaluator(rt, args.eval_every, args.eval_steps, watchdog, metrics)
+            after = [hook for hook in (save, evaluation) if hook]
+            traces = train(
+                rt,
+                args.steps,
+                handlers,
+                watchdog,
+                start=run.start,
+                after_step=lambda step: [hook(step) for hook in after],
+                report=metrics and (lambda fig: metrics.log(fig, saved.get(fig.step))),
+            )
             done = run.start + len(traces)
             if done < args.steps:  # stopped by a signal: keep what was trained
                 stopped(rt.grank, watchdog.signal_name, done, args.steps, save, saved)
@@ -318,6 +352,8 @@ def main(
                 write_measurements(rt, traces, min(args.skip, len(traces) - 1))
     except Exception as e:  # noqa: BLE001 - any failure: say where this rank was, then exit
         report(f"{watchdog.where()}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+    if metrics:
+        metrics.close()
     watchdog.stop()
     dist.destroy_process_group()
     # End now: the interpreter's teardown of torch's threads took seconds more here, which a
@@ -447,18 +483,6 @@ def training_line(args: argparse.Namespace) -> str:
 
 def _join(items: list[int]) -> str:
     return ", ".join(map(str, items))
-
-
-def _log_step(steps: int, saved: dict[int, Path]) -> Callable[[int, float, StepTrace], None]:
-    def log(step: int, loss: float, trace: StepTrace) -> None:
-        path = saved.get(step + 1)
-        print(
-            f"step {step + 1:>3}/{steps}  loss {loss:.4f}  ({trace.wall_s * 1000:.1f} ms)"
-            + (f"  saved {path}" if path else ""),
-            flush=True,
-        )
-
-    return log
 
 
 def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:

@@ -39,3 +39,18 @@ def copying() -> ModelSpec:
 def synthetic() -> ModelSpec:
     x, y = _batch(CONFIG.micro_batch, 10**6)
     return ModelSpec(GPT(CONFIG), (x,), y, next_token_loss)
+
+
+def held_out(rows: int, start: int) -> Iterator[tuple[tuple[Tensor], Tensor]]:
+    """Evaluation batch k: tokens from a generator of its own (seed 10**5 + k), so reading
+    them draws nothing from torch's global one."""
+    for k in itertools.count(start):
+        gen = torch.Generator().manual_seed(10**5 + k)
+        x = torch.randint(CONFIG.vocab_size, (rows, CONFIG.seq_len), generator=gen)
+        yield (x,), x.clone()
+
+
+def copying_with_eval() -> ModelSpec:
+    """`copying`, with held-out batches for `launch.py --eval-every`."""
+    x, y = _batch(CONFIG.micro_batch, 10**6)
+    return ModelSpec(GPT(CONFIG), (x,), y, next_token_loss, data=copying_data, eval_data=held_out)

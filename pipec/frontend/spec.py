@@ -58,6 +58,8 @@ class ModelSpec:
         `start` on resume). `inputs` is a tensor or a tuple in forward's order; every tensor has
         the example's shape but `rows` = m·D·(example rows) in its first dimension. The runtime
         cuts each batch into the plan's micro-batches.
+    eval_data: the evaluation data (`launch.py --eval-every K`), in `data`'s form; every
+        evaluation reads its first `--eval-steps` batches from batch 0.
     """
 
     model: nn.Module
@@ -69,6 +71,7 @@ class ModelSpec:
     data: Callable[[int, int], Iterable[Any]] | Iterable[Any] | None = None
     capture: str = "auto"
     split_points: tuple[str, ...] | None = None
+    eval_data: Callable[[int, int], Iterable[Any]] | Iterable[Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -92,11 +95,13 @@ class ModelSpec:
             )
         if not callable(self.loss_fn):
             raise FrontendError("ModelSpec.loss_fn must be callable: (output, target) -> loss")
-        if self.data is not None and not (callable(self.data) or isinstance(self.data, Iterable)):
-            raise FrontendError(
-                f"ModelSpec.data must be a callable data(rows, start) or an iterable of "
-                f"(inputs, target) batches, got {type(self.data).__name__}"
-            )
+        for name in ("data", "eval_data"):
+            data = getattr(self, name)
+            if data is not None and not (callable(data) or isinstance(data, Iterable)):
+                raise FrontendError(
+                    f"ModelSpec.{name} must be a callable {name}(rows, start) or an iterable of "
+                    f"(inputs, target) batches, got {type(data).__name__}"
+                )
         if self.capture not in CAPTURES:
             raise FrontendError(
                 f"ModelSpec.capture={self.capture!r}; use one of {', '.join(CAPTURES)}"
