@@ -14,7 +14,8 @@ resume from): rank 0 says what is wrong in one line, every rank exits 2. Then th
 stages are rebuilt (a defect: one line from that rank, exit 2). Only then does the rank join the
 process group, load the checkpoint, and train to step N printing the loss, saving every K steps
 and at the end; last, the measured timeline and figures go to OUT/measured/ and are printed
-beside the simulation's. `--check-grads` instead runs one step and compares every stage's
+beside the simulation's. A stop signal (runtime/faults.py) ends training after the step under
+way, with a last checkpoint when saving. `--check-grads` instead runs one step and compares every stage's
 gradients with the plain model's (runtime/gradcheck.py); exit 1 when one differs.
 """
 
