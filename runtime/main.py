@@ -15,8 +15,8 @@ stages are rebuilt (a defect: one line from that rank, exit 2). Only then does t
 process group, load the checkpoint, and train to step N printing the loss, saving every K steps
 and at the end; last, the measured timeline and figures go to OUT/measured/ and are printed
 beside the simulation's. A stop signal (runtime/faults.py) ends training after the step under
-way, with a last checkpoint when saving. `--check-grads` instead runs one step and compares every stage's
-gradients with the plain model's (runtime/gradcheck.py); exit 1 when one differs.
+way, with a last checkpoint when saving. `--check-grads` instead runs one step and compares
+every stage's gradients with the plain model's (runtime/gradcheck.py); exit 1 when one differs.
 """
 
 from __future__ import annotations
