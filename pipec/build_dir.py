@@ -366,8 +366,8 @@ def check_launch(build: Build) -> None:
         return
     if launch.read_text() != launch_text(build.plan, build.plan_hash):
         raise PipecError(
-            f"{launch}: not the launch.py this plan generates (edited after compiling); "
-            "recompile the directory"
+            f"{launch}: not the launch.py this plan generates (edited after compiling, or written "
+            "by another pipec version); recompile the directory"
         )
 
 

@@ -40,7 +40,7 @@ from pipec.build_dir import (
     os_error,
     time_unit,
 )
-from pipec.compile import CompileResult, compile_schedule, gc_paused
+from pipec.compile import CompileResult, check_dp, compile_schedule, gc_paused
 from pipec.footprint import check_fits
 from pipec.interop import compile_torch_class, compile_torch_csv, export_torch_csv
 from pipec.ir import Layout, PipecError
@@ -449,6 +449,8 @@ def schedules() -> None:
 def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
     """Compile a schedule (for MODEL, path/to/file.py:factory, if given) into programs in OUT."""
     check_out(out, force, opts["schedule"])  # before the work, which may be long
+    if opts["pp"] is not None:
+        check_dp(opts["dp"], opts["pp"])
     # The collector's one scan of the 10^6 objects built comes after emit.
     with gc_paused(), _watched(opts):
         result = _compile(**opts)

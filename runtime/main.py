@@ -16,9 +16,10 @@ stages are rebuilt (a defect: one line from that rank, exit 2). Only then does t
 process group, load the checkpoint, and train to step N, rank 0 printing each step's metrics
 and writing them to OUT/measured/metrics.jsonl (runtime/metrics.py), saving every K steps and
 at the end, evaluating every K' steps (runtime/evaluate.py); last, the measured timeline and
-figures go to OUT/measured/ and are printed beside the simulation's. `--check-grads` instead
-runs one step and compares every stage's gradients with the plain model's
-(runtime/gradcheck.py); exit 1 when one differs.
+figures go to OUT/measured/ and are printed beside the simulation's. A stop signal
+(runtime/faults.py) ends training after the step under way, with a last checkpoint when
+saving. `--check-grads` instead runs one step and compares every stage's gradients with the
+plain model's (runtime/gradcheck.py); exit 1 when one differs.
 """
 
 from __future__ import annotations

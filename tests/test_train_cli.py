@@ -255,7 +255,10 @@ def test_a_changed_model_is_refused(tmp_path, monkeypatch, capsys):
             "TINY = GPTConfig(vocab_size=96,",
         )
     )
-    err = said_by_rank_0(out, monkeypatch, capsys)
+    err = said_by_rank_0(out, monkeypatch, capsys)  # the file is not the plan's
+    assert f"{model}: the model's factory changed since" in err
+    # Run as it is now, on purpose: the model it builds is not the plan's either.
+    err = said_by_rank_0(out, monkeypatch, capsys, "--model", f"{model}:tiny")
     assert re.fullmatch(
         rf"pipec runtime: {re.escape(str(model))}:tiny no longer matches the plan: its state_dict "
         r"has \d+ tensors \(fingerprint \w+\), the plan's model \d+ \(\w+\); the model changed "
