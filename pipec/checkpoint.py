@@ -157,6 +157,22 @@ def check_fits(path: Path, model: nn.Module, saved: dict | None = None) -> None:
             )
 
 
+def entries(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype] | None]:
+    """What checkpoint `path` holds: each key's shape and dtype (None: not a tensor)."""
+    saved = dcp.FileSystemReader(Path(path)).read_metadata().state_dict_metadata
+    return {
+        k: (tuple(v.size), v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
+        for k, v in saved.items()
+    }
+
+
+def read(path: Path, state: dict) -> None:
+    """Fill `state` (key: a tensor of the saved shape and dtype, or a placeholder for other
+    values) from checkpoint `path`, in place. Reads only (no collective)."""
+    with _quiet():
+        dcp.load(state, checkpoint_id=Path(path), no_dist=True)
+
+
 def load(
     path: Path, modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None = None
 ) -> int:

@@ -39,18 +39,21 @@ from pipec.build_dir import MEASURED, Build, check_build, load, title
 from pipec.frontend import FrontendError, load_factory
 from pipec.ir import Op, PipecError
 from pipec.provenance import check_model, resolve
+from runtime import named_state
 from runtime.data import open_source
 from runtime.faults import DEFAULT_TIMEOUT_S, Watchdog, report
 from runtime.gradcheck import GradCapture, compare, reference_grads
 from runtime.interpreter import HANDLERS, Handler, StepTrace, check_program, run_program
 from runtime.measure import rank_report, summarize, timeline, write
+from runtime.optim import NonFinite, Trainer
+from runtime.options import add_training_options, train_options, training_error
 from runtime.rank import Rank, check_runnable
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="launch.py", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     ap.add_argument(
         "--timeout",
         type=float,
@@ -94,11 +97,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--no-verify", action="store_true", help="skip `pipec verify`'s checks (huge builds)"
     )
+    add_training_options(ap)
     args = ap.parse_args(argv)
     if args.steps < 1 or args.timeout <= 0 or args.save_every < 0:
         ap.error("--steps must be at least 1, --timeout positive, --save-every 0 or more")
     if args.check_grads and args.save:
         ap.error("--check-grads runs one step and saves nothing; drop --save")
+    if error := training_error(args):
+        ap.error(error)
     return args
 
 
@@ -135,7 +141,7 @@ def train(
         step_barrier(f"before step {step + 1}", watchdog.timeout)
         if pending:
             finish_step()
-        rt.new_step()
+        rt.new_step(step + 1)
         traces.append(run_program(rt, handlers, watchdog))
         total = torch.tensor(
             [sum(rt.losses.values()), len(rt.losses)], dtype=torch.float64, device=rt.device
@@ -214,6 +220,11 @@ def preflight(build_dir: Path, args: argparse.Namespace, world: int, local_world
                 f"{build.path} fails verification: {e} (recompile; --no-verify skips this check)"
             ) from None
     check_runnable(build, world)
+    if args.zero and int(build.plan.get("dp", 1)) < 2:
+        raise PipecError(
+            "--zero 1 shards the optimizer over data-parallel copies, and this build has one; "
+            "compile with --dp 2 or more, or drop --zero"
+        )
     model_plan = build.plan["model"]
     spec = resolve(model_plan, args.model, build.path)
     try:
@@ -271,25 +282,33 @@ def main(
         torch.cuda.set_device(device)
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
     watchdog = Watchdog(args.timeout, rt.describe)
-    failed = False
+    code = 0
     try:
-        optimizer = GradCapture if args.check_grads else _adamw(args.lr)
-        rt.connect(optimizer, args.timeout)
-        restore(rt, run.resume, args.seed, optimizer=not args.check_grads)
+        options = train_options(args)
+        rt.connect(
+            GradCapture if args.check_grads else lambda _: Trainer(rt, options), args.timeout
+        )
+        restore(rt, run.resume, args.seed)
         if args.check_grads:
-            failed = check_grads(rt, run, handlers, watchdog, args.seed)
+            code = int(check_grads(rt, run, handlers, watchdog, args.seed))
         else:
             saved: dict[int, Path] = {}
             log = _log_step(args.steps, saved) if grank == 0 else None
             save = saver(rt, args.save, args.save_every, args.steps, saved) if args.save else None
             traces = train(rt, args.steps, handlers, watchdog, log, run.start, save)
             write_measurements(rt, traces, min(args.skip, len(traces) - 1))
+            if grank == 0 and args.skip_nonfinite:
+                print(f"skipped {rt.optimizer.skipped} non-finite steps", flush=True)
+    except NonFinite as e:  # every rank found it in the same all-reduce: rank 0 says it
+        if grank == 0:
+            print(f"pipec runtime: {e}", file=sys.stderr, flush=True)
+        code = 3
     except Exception as e:  # noqa: BLE001 - any failure: say where this rank was, then exit
         report(f"{watchdog.where()}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
     watchdog.stop()
     dist.destroy_process_group()
-    if failed:
-        sys.exit(1)
+    if code:
+        sys.exit(code)
 
 
 def rank_device(backend: str, share_gpu: bool, local_rank: int) -> torch.device:
@@ -300,15 +319,14 @@ def rank_device(backend: str, share_gpu: bool, local_rank: int) -> torch.device:
     return torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
 
 
-def _adamw(lr: float) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
-    return lambda params: torch.optim.AdamW(params, lr=lr)
-
-
-def restore(rt: Rank, resume: Path | None, seed: int, optimizer: bool = True) -> int:
-    """Load checkpoint `resume` (if any) into this rank's stages (and, with `optimizer`, its
-    optimizer's state), and open the data where it stopped; returns the step to continue from."""
-    opt = rt.optimizer if optimizer else None
-    start = checkpoint.load(resume, rt.modules.values(), opt) if resume else 0
+def restore(rt: Rank, resume: Path | None, seed: int) -> int:
+    """Load checkpoint `resume` (if any) into this rank's stages (and a Trainer's masters and
+    optimizer state), and open the data where it stopped; returns the step to continue from."""
+    start = 0
+    if resume and isinstance(rt.optimizer, Trainer):
+        start = named_state.load(rt.optimizer, resume)
+    elif resume:  # --check-grads: the weights only
+        start = checkpoint.load(resume, rt.modules.values())
     rt.data = open_source(rt.spec, rt.layout.m * rt.dp, seed, start)
     return start
 
@@ -326,7 +344,7 @@ def saver(
 
     def save(step: int) -> None:
         if step == last or (every and step % every == 0):
-            state = checkpoint.state_dict(mine, rt.optimizer)
+            state = named_state.state_dict(rt.optimizer, mine)  # every ZeRO copy gathers
             saved[step] = checkpoint.save(directory, step, state)
 
     return save

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from runtime.precision import grad_of
 from runtime.stash import tensors_nbytes
 
 
@@ -104,9 +105,12 @@ class Meter:
 def model_state_bytes(params: list[nn.Parameter], optimizer: object) -> int:
     """Parameters, their gradients and the optimizer's state tensors now alive, each storage
     once: the part of a reading that is not activations or messages."""
-    tensors = list(params) + [p.grad for p in params if p.grad is not None]
-    states = getattr(optimizer, "state", {})  # a stand-in optimizer (tests) may have none
-    tensors += [t for state in states.values() for t in state.values() if torch.is_tensor(t)]
+    tensors = list(params) + [g for p in params if (g := grad_of(p)) is not None]
+    if hasattr(optimizer, "tensors"):  # runtime/optim.py's Trainer: masters and state
+        tensors += optimizer.tensors()
+    else:  # a torch optimizer, or a stand-in (tests) with no state
+        states = getattr(optimizer, "state", {})
+        tensors += [t for st in states.values() for t in st.values() if torch.is_tensor(t)]
     return tensors_nbytes(tensors)
 
 
