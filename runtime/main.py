@@ -416,5 +416,7 @@ def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:
     source = build.plan["model"]["cost"]["source"]
     # The backend decides where receives are posted, which the memory prediction follows.
     stats = summarize(reports, sim, source, skip) | {"backend": dist.get_backend()}
+    # What the memory prediction prices beside the real peaks (`pipec show`).
+    stats |= {"precision": "bf16" if rt.compute_dtype else "fp32", "zero": rt.dp if rt.zero else 1}
     write(build.path / MEASURED, stats, timeline(reports, title(build)))
     print(measured_table(stats), flush=True)

@@ -8,7 +8,8 @@ launch of tests/train_worker.py, 2 ranks, the tiny GPT of tests/train_factories.
   accumulated per micro-batch in fp32);
 - a run killed at step 4 (mid-warm-up) or 8 (mid-decay) and resumed continues the same losses;
 - a loss that turns NaN at step 5 stops `pipec run` before the step, one line, exit 3; with
-  --skip-nonfinite the run skips it and finishes.
+  --skip-nonfinite the run skips it and finishes;
+- bad options are refused in one line, exit 2, before any rank joins a process group.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pipec.model import compile_model
 from runtime.data import open_source
 from runtime.lr import Schedule
 from runtime.torchrun import torchrun
-from tests.runtime_launch import launch
+from tests.runtime_launch import launch, refused
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "train_worker.py"
@@ -96,9 +97,13 @@ def plain_loop(steps: int, options: dict, bf16: bool = False) -> dict[str, list[
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def builds():
+    return {f: compile_model(DATA, f, P, M) for f in ("1f1b", "zb-v")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, builds):
     tmp = tmp_path_factory.mktemp("train-step")
-    builds = {f: compile_model(DATA, f, P, M) for f in ("1f1b", "zb-v")}
     ck = tmp / "ck"
 
     def run(build, n=STEPS, save=None, resume=None, **extra):
@@ -182,3 +187,21 @@ def test_the_nonfinite_guard_stops_before_the_step_or_skips_it(tmp_path):
     skipped = pipec_run("--skip-nonfinite")
     assert skipped.returncode == 0, skipped.stderr[-2000:]
     assert "skipped 1 non-finite steps" in skipped.stdout
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--precision", "fp8"], "invalid choice: 'fp8'"),
+        (["--max-norm", "-1"], "--max-norm -1: the norm to clip to must be positive"),
+        (["--steps", "10", "--warmup", "10"], "--warmup 10 with --steps 10"),
+        (["--betas", "2"], "'2' is not two numbers"),
+        (["--zero", "1"], "--zero 1 shards the optimizer over data-parallel copies"),
+    ],
+)
+def test_bad_training_options_are_refused_before_any_rank_starts(
+    builds, tmp_path, monkeypatch, capsys, args, said
+):
+    emit(builds["1f1b"], tmp_path / "build")
+    err = refused(tmp_path / "build", monkeypatch, capsys, *args, world=P)
+    assert said in err, err
