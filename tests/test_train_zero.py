@@ -26,7 +26,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train-zero")
-    builds = {"dp2": compile_model(DATA, "1f1b", 2, 2, dp=2), "p4": compile_model(DATA, "1f1b", 4, 4)}
+    builds = {
+        "dp2": compile_model(DATA, "1f1b", 2, 2, dp=2),
+        "p4": compile_model(DATA, "1f1b", 4, 4),
+    }
 
     def run(build, n=STEPS, save=None, resume=None, **extra):
         return builds[build], {

@@ -49,7 +49,7 @@ def _nan_at_5(logits: Tensor, target: Tensor) -> Tensor:
 
 def nan_data(rows: int, start: int) -> Iterator[tuple[tuple[Tensor], Tensor]]:
     """copying_data, except that batch 4 (step 5) is all zeros."""
-    for k, (x, y) in enumerate(copying_data(rows, start), start):
+    for k, ((x,), y) in enumerate(copying_data(rows, start), start):
         yield (x * (k != 4),), y * (k != 4)
 
 
