@@ -49,6 +49,8 @@ def add_grad(p: nn.Parameter, g: Tensor) -> None:
 
 
 def _into_main_grad(p: Tensor) -> None:
+    if p.grad is None:  # a product whose weight gradient W computes later (runtime/bwsplit.py)
+        return
     add_grad(p, p.grad)
     p.grad = None
 
