@@ -158,11 +158,6 @@ class Trainer:
         self.norm_group = _pipeline_group(rt) if not options.zero else None
         self.inner = _optimizer(options, self.slices)
 
-    # torch.optim.Optimizer's interface, as far as the runtime uses it
-    @property
-    def state(self) -> dict:
-        return self.inner.state
-
     def tensors(self) -> list[Tensor]:
         """The model state this object adds to the parameters: masters (bf16) and the
         optimizer's state tensors."""
