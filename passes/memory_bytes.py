@@ -4,11 +4,14 @@ The prediction plays the memory of every rank on the simulated timeline and samp
 each instruction, where the runtime's meter reads it (runtime/meter.py). At each point a rank
 holds, term by term (every figure a measured fact of the model, in bytes):
 
-- params: its stages' parameters (a chunk held by two stages counts twice);
-- optimizer: AdamW's state for them (`optimizer_bytes`), which exists from the
-  end of the first step on: the prediction is of a step after it;
-- grads: a stage's gradients, from its first backward op of the step (B, BW or W) to the
-  optimizer step, which frees them (the runtime zeroes gradients to None);
+- params: its stages' parameters (a chunk held by two stages counts twice), in bf16 under
+  `launch.py --precision bf16`;
+- optimizer: AdamW's state for them (`optimizer_bytes`: under bf16 with the fp32 master
+  copy; 1/D of it with ZeRO-1 over D copies), which exists from the end of the first step on:
+  the prediction is of a step after it;
+- grads: a stage's gradients (fp32 `main_grad`s under bf16), from its first backward op of
+  the step (B, BW or W) to the optimizer step, which frees them (the runtime zeroes gradients
+  to None);
 - stash: the simulator's live stashes, each weighing its chunk's stash bytes (what autograd
   saves, measured by the frontend; a recomputed forward keeps its input bytes until RECOMPUTE),
   under the simulator's rules for F, B, W, RECOMPUTE, EVICT and LOAD (`activation_profile`);
@@ -31,7 +34,9 @@ holds, term by term (every figure a measured fact of the model, in bytes):
   receive's records beside its buffer (`GLOO_RECV_HOST_BYTES`). A GPU keeps them in host
   memory, which its meter does not count: there this term is absent.
 
-Not modelled: the working memory inside an instruction (the meter samples between them), a
+Under bf16 (`at_precision`) what activations weigh halves: stashes, messages, what W holds
+(the model's own activations being fp32); autograd's host records do not. Not modelled: the
+working memory inside an instruction (the meter samples between them), a
 tensor shared by two terms (an output a later op of the same stage saves counts twice), the
 micro-batches' token ids and targets (kilobytes).
 
@@ -103,12 +108,34 @@ def for_device(
     return facts, post_ahead(backend or BACKENDS.get(device, "nccl"))
 
 
-def optimizer_bytes(params: int, param_bytes: int) -> int:
-    """AdamW's state for `params` parameters stored in `param_bytes` bytes: two fp32 moments
-    each, plus an fp32 master copy below fp32 (Megatron-LM's mixed-precision recipe; no ZeRO
-    sharding across data-parallel copies)."""
-    master = MASTER_COPY_BYTES if param_bytes < 4 * params else 0
-    return params * (ADAMW_MOMENT_BYTES + master)
+def optimizer_bytes(params: int, param_bytes: int, precision: str = "fp32", zero: int = 1) -> int:
+    """AdamW's state for `params` parameters stored in `param_bytes` bytes, as runtime/optim.py
+    holds it: at fp32, two moments in the parameters' own dtype; at bf16, two fp32 moments and
+    the fp32 master copy (Megatron-LM's mixed-precision recipe); with ZeRO-1 over `zero`
+    data-parallel copies, a 1/zero share of either."""
+    if precision == "bf16":
+        state = params * (ADAMW_MOMENT_BYTES + MASTER_COPY_BYTES)
+    else:
+        state = 2 * param_bytes
+    return -(-state // zero)
+
+
+def at_precision(
+    facts: ByteFacts, costs: CostModel, precision: str, zero: int = 1
+) -> tuple[ByteFacts, CostModel]:
+    """`facts` and `costs` of a run at `precision` ("fp32" or "bf16") with ZeRO-1 over `zero`
+    copies: under bf16 the activations of an fp32 model weigh half (stashes, messages, what W
+    holds); weights, gradients and optimizer state follow `ByteFacts`' precision."""
+    if precision == "bf16":
+        facts = replace(facts, message=_half(facts.message), w_held=_half(facts.w_held))
+        costs = replace(
+            costs, stash_bytes=_half(costs.stash_bytes), input_bytes=_half(costs.input_bytes)
+        )
+    return replace(facts, precision=precision, zero=zero), costs
+
+
+def _half(values: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(v / 2 for v in values)
 
 
 def held_chunks(layout: Layout, rank: int) -> list[int]:
@@ -149,6 +176,24 @@ class ByteFacts:
     w_held: tuple[float, ...] = ()
     recv_host: float = 0.0
     """Host bytes a posted receive holds beside its buffer (a CPU run; 0: not counted)."""
+    precision: str = "fp32"
+    """`launch.py --precision`: bf16 holds bf16 weights, fp32 gradients and masters."""
+    zero: int = 1
+    """Data-parallel copies ZeRO-1 shards the masters and optimizer state over (1: none)."""
+
+    def weights(self, chunk: int) -> int:
+        """Bytes of a chunk's parameters as the run holds them."""
+        return 2 * self.params[chunk] if self.precision == "bf16" else self.param_bytes[chunk]
+
+    def gradients(self, chunk: int) -> int:
+        """Bytes of a chunk's gradients: fp32 `main_grad`s under bf16."""
+        return 4 * self.params[chunk] if self.precision == "bf16" else self.param_bytes[chunk]
+
+    def optimizer(self, chunk: int) -> int:
+        """Bytes of a chunk's optimizer state (and masters) on one rank (`optimizer_bytes`)."""
+        return optimizer_bytes(
+            self.params[chunk], self.param_bytes[chunk], self.precision, self.zero
+        )
 
     @staticmethod
     def from_plan(
@@ -366,13 +411,13 @@ def rank_samples(
             elif op is Op.ACCEPT:
                 book.hold("held", k, idx[(Op.RETURN, s, mb)], moved[c])
         for s, k in first_backward.items():
-            book.hold("grads", k, step, facts.param_bytes[chunk_of[s]])
+            book.hold("grads", k, step, facts.gradients(chunk_of[s]))
         profile = bytes_profile(prog, layout, costs, recompute)
         series = {t: book.series(t) for t in book.diff}
         series["stash"] = [a + b - h for a, b, h in zip(series["stash"], profile, series["held"])]
         held = held_chunks(layout, r)
-        params = sum(facts.param_bytes[ch] for ch in held)
-        optimizer = sum(optimizer_bytes(facts.params[ch], facts.param_bytes[ch]) for ch in held)
+        params = sum(facts.weights(ch) for ch in held)
+        optimizer = sum(facts.optimizer(ch) for ch in held)
         samples.append(Samples(params, optimizer, series, profile))
     return samples
 

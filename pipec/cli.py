@@ -579,8 +579,12 @@ def _memory_rows(build: Build, sim: SimResult, stats: dict | None) -> list[dict]
 
     device, backend = (stats.get("device", "cpu"), stats.get("backend")) if stats else ("cpu", None)
     spec = resolve(build.plan["model"], None, build.path)
+    run = stats or build.plan  # the run's precision and ZeRO, else the plan's
+    precision, zero = run.get("precision", "fp32"), run.get("zero", 1)
     try:
-        peaks = predicted_peaks(build.plan, build.compiled, build.costs, sim, device, backend, spec)
+        peaks = predicted_peaks(
+            build.plan, build.compiled, build.costs, sim, device, backend, spec, precision, zero
+        )
     except FrontendError as e:
         raise PipecError(f"{build.path}: {e}") from None
     return memory_rows(peaks, stats)
@@ -637,6 +641,20 @@ def _csv(text: str, what: str, kind: type = str) -> list:
 @click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel copies.")
 @click.option(
     "--global-batch", "-B", type=int, required=True, help="Samples per iteration, all copies."
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["fp32", "bf16"]),
+    default="fp32",
+    show_default=True,
+    help="launch.py --precision to price: bf16 weights and activations, fp32 master copy.",
+)
+@click.option(
+    "--zero",
+    type=click.Choice(["0", "1"]),
+    default="0",
+    show_default=True,
+    help="launch.py --zero to price: 1 shards masters and optimizer state over --dp.",
 )
 @click.option(
     "--memory-per-device", required=True, help="Memory per device: 80GiB, 512MiB or bytes."
@@ -736,6 +754,8 @@ def plan_cmd(
 
     if out is None and pick is not None:
         raise PipecError("--pick chooses the row --out builds; give --out BUILD too")
+    if opts["zero"] == "1" and opts["dp"] < 2:
+        raise PipecError("--zero 1 shards over data-parallel copies; give --dp 2 or more")
     if out is not None:
         check_out(out, force)  # before profiling: a typo costs no measurement
     topology = machine(opts["pp"], opts["nodes"], opts["gpus_per_node"], opts["link"], opts["comm"])
@@ -748,6 +768,8 @@ def plan_cmd(
         tuple(_csv(strategies, "--strategies")),
         opts["comm"],
         topology,
+        opts["precision"],
+        opts["zero"] == "1",
     )
     if threads is not None:
         import torch

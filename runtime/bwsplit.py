@@ -11,7 +11,7 @@ current micro-batch. Then:
   input gradients, plus the weight gradients of everything else (norms, embeddings,
   convolutions: computed right away rather than deferred), while the queued dW/db wait.
 - `W(stage, mb)` runs the queued dW and db GEMMs of that micro-batch and accumulates them
-  into `.grad`.
+  into `.grad` (under bf16 training, into the fp32 `main_grad`: runtime/precision.py).
 
 Between B and W a micro-batch holds the inputs and output gradients of those products (Qi et
 al.'s M_W). Outside `B` (a plain `loss.backward()`), the weight gradient is computed
@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+from runtime.precision import add_grad
 from runtime.stash import tensors_nbytes
 
 _QUEUE_ATTR = "weight_grad_queue"
@@ -161,12 +162,8 @@ def _accumulate_weight_grad(work: _Deferred) -> None:
     if work.bias is not None:
         grads.append((work.bias, dy2.sum(0)))
     for p, g in grads:
-        if not p.requires_grad:
-            continue
-        if p.grad is None:
-            p.grad = g
-        else:
-            p.grad += g
+        if p.requires_grad:
+            add_grad(p, g)
 
 
 def split_backward(stage: fx.GraphModule) -> WeightGradQueue:

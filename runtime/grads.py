@@ -7,8 +7,10 @@ overlaps whatever the program does next; OPTIMIZER_STEP waits for it. A paramete
 stages of one rank is reduced once per step.
 
 OPTIMIZER_STEP completes the sends, waits for the reductions, sums the gradients of parameters
-tied across ranks (an embedding and its LM head), steps the optimizer and zeroes the gradients;
-then every stash, message and deferred weight gradient of the step must be gone.
+tied across ranks (an embedding and its LM head), steps the optimizer (runtime/optim.py: the
+norm, clipping, the non-finite guard, ZeRO-1's reduce-scatter) and zeroes the gradients; then
+every stash, message and deferred weight gradient of the step must be gone. Under bf16 the
+gradients reduced are the fp32 `main_grad`s (runtime/precision.py).
 """
 
 from __future__ import annotations
@@ -20,17 +22,27 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipec.ir import Instr
+from runtime.precision import grad_of, set_grad
 
 if TYPE_CHECKING:
     from runtime.rank import Rank
 
 
 def _grads(params) -> list[torch.Tensor]:
-    return [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    """The gradients to reduce (`grad_of`: fp32 under bf16), zeros for a parameter without one."""
+    out = []
+    for p in params:
+        g = grad_of(p)
+        if g is None:
+            g = torch.zeros_like(p, dtype=torch.float32 if hasattr(p, "main_grad") else p.dtype)
+        out.append(g)
+    return out
 
 
 def allreduce_grads(rt: Rank, instr: Instr) -> None:
     if instr.peer is None:
+        if rt.zero:
+            return  # ZeRO-1 reduce-scatters the data-parallel sum at the step (runtime/optim.py)
         group = rt.dp_group
     else:
         group = rt.replica_groups[(instr.peer, rt.layout.stage_chunk[instr.stage])]
@@ -45,7 +57,7 @@ def allreduce_grads(rt: Rank, instr: Instr) -> None:
 
 def _finish(params, flat: torch.Tensor) -> None:
     for p, g in zip(params, _unflatten_dense_tensors(flat, _grads(params))):
-        p.grad = g
+        set_grad(p, g)
 
 
 def optimizer_step(rt: Rank, instr: Instr) -> None:

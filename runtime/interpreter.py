@@ -30,6 +30,7 @@ from pipec.ir import Instr, Op, PipecError
 from runtime import clock, compute, grads, offload, p2p
 from runtime.faults import Watchdog
 from runtime.meter import Meter
+from runtime.precision import grad_of
 from runtime.rank import FIRST_INSTR_LINE, Rank
 from runtime.stash import tensors_nbytes
 
@@ -184,7 +185,7 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
         if metered[k]:
             sample = meter.read()
             if sample > best:
-                grads = [p.grad for p in params if p.grad is not None]
+                grads = [g for p in params if (g := grad_of(p)) is not None]
                 best, state = sample, at_start + (tensors_nbytes(grads) if grads else 0)
         real[k] = sample
     watchdog.leave()

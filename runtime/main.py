@@ -46,6 +46,7 @@ from pipec.ir import Op, PipecError
 from pipec.progress import progress
 from pipec.provenance import check_model, resolve
 from pipec.run_checks import check_writable
+from runtime import named_state
 from runtime.data import open_source
 from runtime.evaluate import evaluator
 from runtime.faults import DEFAULT_TIMEOUT_S, Watchdog, report
@@ -53,8 +54,10 @@ from runtime.gradcheck import DropoutOff, GradCapture, compare, reference_grads
 from runtime.interpreter import HANDLERS, Handler, StepTrace, check_program, run_program
 from runtime.measure import rank_report, summarize, timeline, write
 from runtime.metrics import Metrics, StepFigures, gather_step, open_metrics
+from runtime.optim import NonFinite, Trainer
 from runtime.options import LaunchParser, add_options, changed, effective, parse
 from runtime.rank import Rank, check_runnable
+from runtime.train_options import add_training_options, train_options, training_error
 
 #: What a rank's start-up does, by module (pipec.progress: the outermost on the stack names it).
 START_STEPS = (
@@ -74,6 +77,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--steps must be at least 1, --timeout positive, --save-every 0 or more")
     if args.check_grads and args.save:
         ap.error("--check-grads runs one step and saves nothing; drop --save")
+    if error := training_error(args):
+        ap.error(error)
     return args
 
 
@@ -81,7 +86,7 @@ def launch_parser() -> argparse.ArgumentParser:
     """Every option of launch.py (`--config` files take the same, by their destinations)."""
     ap = LaunchParser(prog="launch.py", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     ap.add_argument(
         "--timeout",
         type=float,
@@ -126,6 +131,7 @@ def launch_parser() -> argparse.ArgumentParser:
         "--no-verify", action="store_true", help="skip `pipec verify`'s checks (huge builds)"
     )
     add_options(ap)
+    add_training_options(ap)
     return ap
 
 
@@ -169,7 +175,7 @@ def train(
         step_barrier(f"before step {step + 1}", watchdog.timeout)
         if pending and finish_step():
             return traces
-        rt.new_step()
+        rt.new_step(step + 1)
         traces.append(run_program(rt, handlers, watchdog))
         pending = gather_step(rt, traces[-1], watchdog.stopping.is_set())
         rt.losses.clear()
@@ -248,6 +254,11 @@ def preflight(
                 f"{build.path} fails verification: {e} (recompile; --no-verify skips this check)"
             ) from None
     check_runnable(build, world)
+    if args.zero and int(build.plan.get("dp", 1)) < 2:
+        raise PipecError(
+            "--zero 1 shards the optimizer over data-parallel copies, and this build has one; "
+            "compile with --dp 2 or more, or drop --zero"
+        )
     model_plan = build.plan["model"]
     spec = resolve(model_plan, args.model, build.path)
     try:
@@ -320,14 +331,16 @@ def main(
         print(f"config: {changed(launch_parser(), args)}", flush=True)
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
     watchdog = Watchdog(args.timeout, rt.describe)
-    failed = False
+    code = 0
     metrics: Metrics | None = None
     try:
-        optimizer = GradCapture if args.check_grads else _adamw(args.lr)
-        rt.connect(optimizer, args.timeout)
-        restore(rt, run.resume, args.seed, optimizer=not args.check_grads)
+        options = train_options(args)
+        rt.connect(
+            GradCapture if args.check_grads else lambda _: Trainer(rt, options), args.timeout
+        )
+        restore(rt, run.resume, args.seed)
         if args.check_grads:
-            failed = check_grads(rt, run, handlers, watchdog, args.seed)
+            code = int(check_grads(rt, run, handlers, watchdog, args.seed))
         else:
             saved: dict[int, Path] = {}
             if grank == 0:
@@ -351,6 +364,12 @@ def main(
                 stopped(rt.grank, watchdog.signal_name, done, args.steps, save, saved)
             else:
                 write_measurements(rt, traces, min(args.skip, len(traces) - 1))
+            if grank == 0 and args.skip_nonfinite:
+                print(f"skipped {rt.optimizer.skipped} non-finite steps", flush=True)
+    except NonFinite as e:  # every rank found it in the same all-reduce: rank 0 says it
+        if grank == 0:
+            print(f"pipec runtime: {e}", file=sys.stderr, flush=True)
+        code = 3
     except Exception as e:  # noqa: BLE001 - any failure: say where this rank was, then exit
         report(f"{watchdog.where()}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
     if metrics:
@@ -361,7 +380,7 @@ def main(
     # stopped run (torchrun waits for its ranks) must not spend.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1 if failed else 0)
+    os._exit(code)
 
 
 def rank_device(backend: str, share_gpu: bool, local_rank: int) -> torch.device:
@@ -372,15 +391,15 @@ def rank_device(backend: str, share_gpu: bool, local_rank: int) -> torch.device:
     return torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
 
 
-def _adamw(lr: float) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
-    return lambda params: torch.optim.AdamW(params, lr=lr)
-
-
-def restore(rt: Rank, resume: Path | None, seed: int, optimizer: bool = True) -> int:
-    """Load checkpoint `resume` (if any) into this rank's stages (and, with `optimizer`, its
-    optimizer's state), and open the data where it stopped; returns the step to continue from."""
-    opt = rt.optimizer if optimizer else None
-    start = checkpoint.load(resume, rt.modules.values(), opt, check=False) if resume else 0
+def restore(rt: Rank, resume: Path | None, seed: int) -> int:
+    """Load checkpoint `resume` (if any; preflight verified it) into this rank's stages (and a
+    Trainer's masters and optimizer state), and open the data where it stopped; returns the
+    step to continue from."""
+    start = 0
+    if resume and isinstance(rt.optimizer, Trainer):
+        start = named_state.load(rt.optimizer, resume)
+    elif resume:  # --check-grads: the weights only
+        start = checkpoint.load(resume, rt.modules.values(), check=False)
     rt.data = open_source(rt.spec, rt.layout.m * rt.dp, seed, start)
     return start
 
@@ -398,7 +417,7 @@ def saver(
 
     def save(step: int, force: bool = False) -> None:
         if force or step == last or (every and step % every == 0):
-            state = checkpoint.state_dict(mine, rt.optimizer)
+            state = named_state.state_dict(rt.optimizer, mine)  # every ZeRO copy gathers
             saved[step] = checkpoint.save(directory, step, state)
 
     return save
@@ -479,7 +498,8 @@ def training_line(args: argparse.Namespace) -> str:
     if args.save:
         every = f"every {args.save_every} steps and " if args.save_every else ""
         saving = f"; checkpoints to {args.save} {every}at the end"
-    return f"training to step {args.steps}: AdamW lr {args.lr:g}, seed {args.seed}{saving}"
+    name = {"adamw": "AdamW", "sgd": "SGD"}.get(args.optimizer, args.optimizer)
+    return f"training to step {args.steps}: {name} lr {args.lr:g}, seed {args.seed}{saving}"
 
 
 def _join(items: list[int]) -> str:
@@ -499,5 +519,7 @@ def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:
     source = build.plan["model"]["cost"]["source"]
     # The backend decides where receives are posted, which the memory prediction follows.
     stats = summarize(reports, sim, source, skip) | {"backend": dist.get_backend()}
+    # What the memory prediction prices beside the real peaks (`pipec show`).
+    stats |= {"precision": "bf16" if rt.compute_dtype else "fp32", "zero": rt.dp if rt.zero else 1}
     write(build.path / MEASURED, stats, timeline(reports, title(build)))
     print(measured_table(stats), flush=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from codegen.render import chrome_trace, dump_json
 from passes.costs import CostModel
-from passes.memory_bytes import ByteFacts, RankBytes, for_device, predict_peaks
+from passes.memory_bytes import ByteFacts, RankBytes, at_precision, for_device, predict_peaks
 from passes.simulate import SimResult, Slot
 from pipec.ir import COMPUTE_OPS, Compiled, Instr, Op, op_kinds
 from runtime.interpreter import StepTrace
@@ -151,6 +151,8 @@ def predicted_peaks(
     device: str,
     backend: str | None = None,
     spec: str | None = None,
+    precision: str = "fp32",
+    zero: int = 1,
 ) -> tuple[RankBytes, ...]:
     """The prediction (passes/memory_bytes.py) for a run on `device` with `backend`'s receive
     policy (default: gloo on CPU, NCCL on CUDA; gloo on CUDA is `launch.py --share-gpu`). On
@@ -159,13 +161,16 @@ def predicted_peaks(
     counts each posted gloo receive's host bytes. On CUDA
     none of these: host bytes are not device bytes, and building the whole model on the host
     is what a GPU run avoids; W then holds the simulator's share. `spec`: where the model's
-    factory is, if not the plan's spec as written (`pipec.provenance.resolve`)."""
+    factory is, if not the plan's spec as written (`pipec.provenance.resolve`). `precision`
+    and `zero` (the data-parallel copies ZeRO-1 shards over; 1: none) are the run's
+    (`at_precision`)."""
     if device == "cpu":
         extras = stash_extras(plan, bool({Op.B, Op.W} & op_kinds(compiled.programs)), spec)
         facts = ByteFacts.from_plan(plan, extras.host, extras.w_held)
     else:
         facts = ByteFacts.from_plan(plan)
     facts, ahead = for_device(facts, device, backend)
+    facts, costs = at_precision(facts, costs, precision, zero)
     return predict_peaks(compiled.layout, compiled.programs, costs, sim, facts, ahead)
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from runtime.precision import grad_of
 from runtime.stash import tensors_nbytes
 
 
@@ -98,8 +99,9 @@ class Meter:
         """`model_state_bytes`, counted again only when the number of gradients alive or of
         the optimizer's state entries changed: an optimizer makes its state at its first step
         and keeps its tensors' sizes, so every later step starts with the same bytes."""
-        states = getattr(optimizer, "state", {})
-        grads = [p for p in params if p.grad is not None]
+        # runtime/optim.py's Trainer keeps its torch optimizer's state in `inner`
+        states = getattr(getattr(optimizer, "inner", optimizer), "state", {})
+        grads = [p for p in params if grad_of(p) is not None]
         key = (id(optimizer), len(states), sum(map(len, states.values())), len(grads))
         if self._state is None or self._state[0] != key:
             self._state = key, model_state_bytes(list(params), optimizer)
@@ -121,9 +123,12 @@ class Meter:
 def model_state_bytes(params: list[nn.Parameter], optimizer: object) -> int:
     """Parameters, their gradients and the optimizer's state tensors now alive, each storage
     once: the part of a reading that is not activations or messages."""
-    tensors = list(params) + [p.grad for p in params if p.grad is not None]
-    states = getattr(optimizer, "state", {})  # a stand-in optimizer (tests) may have none
-    tensors += [t for state in states.values() for t in state.values() if torch.is_tensor(t)]
+    tensors = list(params) + [g for p in params if (g := grad_of(p)) is not None]
+    if hasattr(optimizer, "tensors"):  # runtime/optim.py's Trainer: masters and state
+        tensors += optimizer.tensors()
+    else:  # a torch optimizer, or a stand-in (tests) with no state
+        states = getattr(optimizer, "state", {})
+        tensors += [t for st in states.values() for t in st.values() if torch.is_tensor(t)]
     return tensors_nbytes(tensors)
 
 

@@ -98,10 +98,11 @@ def batch_unit(spec: ModelSpec) -> tuple[str, int]:
 
 
 def last_step(rt: Rank) -> tuple[float, float]:
-    """The learning rate of the optimizer step just taken and its gradient norm (nan: not
-    measured). The optimizer's first group's lr until the step records its own figures."""
-    groups = getattr(rt.optimizer, "param_groups", None)  # a stand-in optimizer (tests): none
-    return (groups[0]["lr"] if groups else math.nan), math.nan
+    """The learning rate of the optimizer step just taken and its gradient norm (nan: no step
+    taken, e.g. under --check-grads' stand-in optimizer)."""
+    if rt.last_step is None:
+        return math.nan, math.nan
+    return rt.last_step.lr, rt.last_step.grad_norm
 
 
 def gather_step(

@@ -27,11 +27,13 @@ from runtime.bwsplit import split_backward
 from runtime.data import MicroBatch, Stream, Synthetic, open_source
 from runtime.meter import Meter
 from runtime.p2p import Comm
+from runtime.precision import to_bf16
 from runtime.stash import Stash, storage_key
 from runtime.transport import Transport
 
 if TYPE_CHECKING:
     from runtime.interpreter import Positions
+    from runtime.optim import StepNumbers
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -94,6 +96,11 @@ class Rank:
     data: Synthetic | Stream | None = None  # opened by the first `batch` unless set
     meter: Meter | None = None  # real bytes; made at the first step (runtime/interpreter.py)
     positions: Positions | None = None  # the program's per-step facts; made at the first step
+    step: int = 0  # the step being taken (1-based), for the learning-rate schedule
+    compute_dtype: torch.dtype | None = None  # bf16 training (runtime/precision.py)
+    fp32_buffers: dict[str, Tensor] = field(default_factory=dict)  # saved in place of bf16 ones
+    zero: bool = False  # ZeRO-1: the data-parallel sum is reduce-scattered at the step
+    last_step: StepNumbers | None = None  # the last optimizer step's figures (runtime/optim.py)
 
     @property
     def layout(self):
@@ -156,14 +163,30 @@ class Rank:
                 self.data = open_source(self.spec, m * self.dp, self.data_seed)
             mine = self.data.next()[self.dp_index * m : (self.dp_index + 1) * m]
             self.batch_cache = {
-                i: (tuple(x.to(self.device) for x in inputs), target.to(self.device))
+                i: (tuple(self._input(x) for x in inputs), target.to(self.device))
                 for i, (inputs, target) in enumerate(mine)
             }
         return self.batch_cache[mb]
 
-    def new_step(self) -> None:
-        """Forget the last step's batch: the next `batch` call reads the next one."""
+    def _input(self, x: Tensor) -> Tensor:
+        """A first stage's input on this rank's device, floating ones in the compute dtype."""
+        if self.compute_dtype is not None and x.is_floating_point():
+            return x.to(self.device, self.compute_dtype)
+        return x.to(self.device)
+
+    def new_step(self, step: int) -> None:
+        """Step `step` begins: forget the last step's batch (the next `batch` call reads the
+        next one)."""
+        self.step = step
         self.batch_cache = {}
+
+    def to_bf16(self) -> None:
+        """Train in bf16 from now on (runtime/precision.py): stages cast, fp32 `main_grad`s."""
+        self.fp32_buffers = to_bf16(self.modules.values())
+        self.compute_dtype = torch.bfloat16
+        self.param_keys = {
+            s: frozenset(storage_key(p) for p in m.parameters()) for s, m in self.modules.items()
+        }
 
     def boundary(self, stage: int, which: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Shapes and dtypes of what p2p receives for a stage: its `inputs` (activations, every
@@ -171,10 +194,15 @@ class Rank:
         floating ones only; integer and bool values have no gradient)."""
         chunk = self.layout.stage_chunk[stage]
         facts = self.build.plan["model"]["stages"][chunk][which]
-        described = [(tuple(t["shape"]), getattr(torch, t["dtype"])) for t in facts]
+        described = [(tuple(t["shape"]), self._message_dtype(t["dtype"])) for t in facts]
         if which == "inputs":
             return described
         return [(shape, dtype) for shape, dtype in described if dtype.is_floating_point]
+
+    def _message_dtype(self, name: str) -> torch.dtype:
+        """A boundary tensor's dtype in this run: floating ones in the compute dtype."""
+        dtype = getattr(torch, name)
+        return self.compute_dtype if self.compute_dtype and dtype.is_floating_point else dtype
 
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter this rank holds, each once (stages on one rank may share one)."""

@@ -68,9 +68,11 @@ def test_format_bytes():
     assert format_bytes(80 * 2**30) == "80 GiB"
 
 
-def test_adamw_state_is_two_fp32_moments_plus_a_master_copy_below_fp32():
-    assert optimizer_bytes(1000, 4000) == 8000  # fp32 parameters: moments only
-    assert optimizer_bytes(1000, 2000) == 12000  # bf16 parameters: moments + fp32 master
+def test_adamw_state_as_the_runtime_holds_it():
+    assert optimizer_bytes(1000, 4000) == 8000  # fp32: two moments
+    assert optimizer_bytes(1000, 2000) == 4000  # a bf16 model at fp32: moments in bf16
+    assert optimizer_bytes(1000, 4000, "bf16") == 12000  # bf16: fp32 moments + fp32 master
+    assert optimizer_bytes(1000, 4000, "bf16", zero=2) == 6000  # ZeRO-1 over 2 copies
 
 
 def test_1f1b_rank_memory_by_hand():
@@ -116,9 +118,24 @@ def test_interleaved_weighs_each_chunk_by_its_own_stash():
     assert got[0].stash == 900 and got[0].total == 4 * got[0].params + 900
 
 
-def test_bf16_parameters_add_the_master_copy():
+def test_a_bf16_model_trained_at_fp32_keeps_no_master_copy():
     got = memory("1f1b", 2, 4, chunks([10, 10], param_bytes=[2000, 2000], message=[0, 0]))
-    assert got[0].optimizer == 12000 and got[0].total == 2000 + 2000 + 12000 + 2 * 10
+    assert got[0].optimizer == 4000 and got[0].total == 2000 + 2000 + 4000 + 2 * 10
+
+
+def test_bf16_training_prices_bf16_weights_fp32_grads_masters_and_state():
+    ch = chunks([10, 10], message=[0, 0])  # 1000 fp32 parameters per chunk
+    c = compiled("1f1b", 2, 4, ch)
+    bf16 = predicted(c, ch, "cuda", "bf16")[0].peak()
+    assert (bf16.params, bf16.grads, bf16.optimizer) == (2000, 4000, 12000)
+    sharded = predicted(c, ch, "cuda", "bf16", zero=2)[0].peak()
+    assert (sharded.params, sharded.grads, sharded.optimizer) == (2000, 4000, 6000)
+
+
+def test_bf16_halves_what_activations_weigh():
+    ch = chunks([1600, 1600])
+    half = ch.at_bf16()
+    assert half.stash_bytes == (800, 800) and half.message_bytes == (50, 0)
 
 
 def test_a_cpu_plan_counts_every_receive_gloo_posts_at_the_step_start():

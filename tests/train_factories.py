@@ -54,3 +54,21 @@ def copying_with_eval() -> ModelSpec:
     """`copying`, with held-out batches for `launch.py --eval-every`."""
     x, y = _batch(CONFIG.micro_batch, 10**6)
     return ModelSpec(GPT(CONFIG), (x,), y, next_token_loss, data=copying_data, eval_data=held_out)
+
+
+def _nan_at_5(logits: Tensor, target: Tensor) -> Tensor:
+    """next_token_loss, NaN on an all-zero target (`nan_data` gives one at step 5)."""
+    loss = next_token_loss(logits, target)
+    return torch.where(target.any(), loss, torch.full_like(loss, float("nan")))
+
+
+def nan_data(rows: int, start: int) -> Iterator[tuple[tuple[Tensor], Tensor]]:
+    """copying_data, except that batch 4 (step 5) is all zeros."""
+    for k, ((x,), y) in enumerate(copying_data(rows, start), start):
+        yield (x * (k != 4),), y * (k != 4)
+
+
+def nan_at_step_5() -> ModelSpec:
+    """The copying GPT whose loss is NaN at step 5 (the non-finite guard's test)."""
+    x, y = _batch(CONFIG.micro_batch, 10**6)
+    return ModelSpec(GPT(CONFIG), (x,), y, _nan_at_5, data=nan_data)

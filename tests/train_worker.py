@@ -3,11 +3,15 @@
     torchrun --standalone --nproc-per-node 4 tests/train_worker.py RUNS.json RESULTS_DIR
 
 RUNS.json lists {"name", "build", "steps", "lr", "save": DIR | null, "every": K,
-"resume": CHECKPOINT | null, "full_loss": CHECKPOINT | null}, run in order (a resumed run
-may name a checkpoint an earlier run wrote). Each run does what launch.py does (restore,
-train with `saver`, the same runtime functions) and writes to RESULTS_DIR/<rank>.json: the loss
-of each step (rank 0), whether this rank read the data, and with "full_loss" the loss of the
-plain model loaded with `pipec.checkpoint.load_full` on the batch the run's first step used.
+"resume": CHECKPOINT | null, "full_loss": CHECKPOINT | null, "options": {...}}, run in order (a
+resumed run may name a checkpoint an earlier run wrote); "options" are runtime/optim.py's
+TrainOptions fields and the Schedule's (warmup, decay, min_lr, decay_fraction; "steps": the
+schedule's length when a run stops before it, as a killed run would), default none.
+Each run does what launch.py does (the Trainer, restore, train with `saver`, the same runtime
+functions) and writes to RESULTS_DIR/<rank>.json: the loss of each step (rank 0), each step's
+`rt.last_step`, the bytes of the optimizer's masters and state, whether this rank read the data,
+and with "full_loss" the loss of the plain model loaded with `pipec.checkpoint.load_full` on
+the batch the run's first step used.
 """
 
 from runtime.faults import take_termination_signals
@@ -26,8 +30,11 @@ from pipec.frontend import load_factory
 from runtime.data import open_source
 from runtime.faults import Watchdog
 from runtime.interpreter import HANDLERS
+from runtime.lr import Schedule
 from runtime.main import restore, saver, train
+from runtime.optim import Trainer, TrainOptions
 from runtime.rank import Rank
+from runtime.stash import tensors_nbytes
 from tests.runtime_harness import TIMEOUT_S, serve
 
 
@@ -38,6 +45,15 @@ def full_loss(spec: str, seed: int, path: Path, step: int, n: int) -> float:
     with torch.no_grad():
         batches = open_source(ms, n, 0, step).next()
         return sum(ms.loss_fn(ms.model(*x), y).item() for x, y in batches) / n
+
+
+def train_options(lr: float, steps: int, given: dict) -> TrainOptions:
+    """A case's options: the schedule's fields and TrainOptions' (betas as a list)."""
+    fields = {f.name for f in dataclasses.fields(Schedule)}
+    # "steps" in the options: the schedule's length, for a run stopped before its end
+    schedule = Schedule(lr, **{"steps": steps} | {k: v for k, v in given.items() if k in fields})
+    rest = {k: tuple(v) if k == "betas" else v for k, v in given.items() if k not in fields}
+    return TrainOptions(schedule, **rest)
 
 
 def run(case: dict, watchdog: Watchdog) -> dict:
@@ -53,15 +69,31 @@ def run(case: dict, watchdog: Watchdog) -> dict:
 
         rt_data = rt.spec.data
         rt.spec = dataclasses.replace(rt.spec, data=data)
-    rt.connect(lambda ps: torch.optim.AdamW(ps, lr=case["lr"]), TIMEOUT_S)
+    options = train_options(case["lr"], case["steps"], case.get("options", {}))
+    rt.connect(lambda _: Trainer(rt, options), TIMEOUT_S)
     resume = Path(case["resume"]) if case["resume"] else None
     start = restore(rt, resume, 0)
     losses: list[float] = []
+    numbers: list[dict] = []
     save = saver(rt, Path(case["save"]), case["every"], case["steps"], {}) if case["save"] else None
+
+    def after_step(step: int) -> None:
+        numbers.append(dataclasses.asdict(rt.last_step))
+        if save:
+            save(step)
+
     train(
-        rt, case["steps"], HANDLERS, watchdog, lambda s, loss, t: losses.append(loss), start, save
+        rt,
+        case["steps"],
+        HANDLERS,
+        watchdog,
+        lambda s, loss, t: losses.append(loss),
+        start,
+        after_step,
     )
-    result = {"losses": losses, "start": start, "read": bool(read)}
+    optimizer_bytes = tensors_nbytes(rt.optimizer.tensors())
+    result = {"losses": losses, "start": start, "read": bool(read), "numbers": numbers}
+    result |= {"optimizer_bytes": optimizer_bytes}
     if case.get("full_loss") and dist.get_rank() == 0:
         model = build.plan["model"]
         n = rt.layout.m * rt.dp

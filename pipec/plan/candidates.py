@@ -65,6 +65,16 @@ class PlanRequest:
     machine: Topology | None = None
     """Nodes and links, bandwidths in bytes per second and latencies in seconds (None: every
     transfer takes `comm_s`)."""
+    precision: str = "fp32"
+    """`launch.py --precision` of the run planned for (bf16: bf16 activations and weights,
+    fp32 gradients, masters and optimizer state)."""
+    zero: bool = False
+    """`launch.py --zero 1`: masters and optimizer state sharded over the dp copies."""
+
+    @property
+    def shards(self) -> int:
+        """The copies the optimizer state is sharded over (1: none)."""
+        return self.dp if self.zero else 1
 
 
 @dataclass(frozen=True)
@@ -232,12 +242,15 @@ def price(
     mbs: int,
     comm_s: float = 0.0,
     machine: Topology | None = None,
+    precision: str = "fp32",
 ) -> tuple[Layout, Chunks, CostModel]:
-    """Family `name`'s layout for `req`, its chunks at `mbs` and their cost model: a family
-    whose programs have no W runs BW, priced by the one-pass backward."""
+    """Family `name`'s layout for `req`, its chunks at `mbs` (at `precision`) and their cost
+    model: a family whose programs have no W runs BW, priced by the one-pass backward."""
     sched = build_schedule(name, req)
     layout = sched.layout
     chunks = profile.chunks(layout.n_chunks, mbs)
+    if precision == "bf16":
+        chunks = chunks.at_bf16()
     if not any(i.op is Op.W for order in sched.orders for i in order):
         chunks = chunks.fused()
     return layout, chunks, cost_model(chunks, layout, comm_s, machine)
@@ -303,7 +316,7 @@ def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
             plain = CompileRequest(name, p, m, v)
             try:
                 layout, chunks, costs = price(
-                    profile, name, Request(p, m, v), mbs, req.comm_s, req.machine
+                    profile, name, Request(p, m, v), mbs, req.comm_s, req.machine, req.precision
                 )
                 # The family's own programs: the plain row, and what the budget's limit is
                 # derived from (what eviction cannot move).
@@ -311,7 +324,7 @@ def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
             except PipecError as e:
                 out.skipped += [Skipped(name, s, mbs, str(e)) for s in strategies]
                 continue
-            unmoved = predicted(done[plain], chunks, profile.device)
+            unmoved = predicted(done[plain], chunks, profile.device, req.precision, req.shards)
             limit = stash_limit(layout, costs.stash_bytes, unmoved, bytes_per_device)
             budget = Budget(bytes_per_device, limit)
             for strategy in strategies:
@@ -329,7 +342,11 @@ def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
                     out.skipped.append(Skipped(name, strategy, mbs, f"same as {seen[key]}"))
                     continue
                 seen[key] = f"{name} {strategy}"
-                samples = unmoved if job == plain else predicted(result, chunks, profile.device)
+                samples = (
+                    unmoved
+                    if job == plain
+                    else predicted(result, chunks, profile.device, req.precision, req.shards)
+                )
                 ev = _evaluated(name, strategy, mbs, job, result, chunks, costs, samples)
                 (out.fits if ev.peak_bytes <= bytes_per_device else out.over).append(ev)
     out.fits.sort(key=lambda e: (e.iteration_s, e.peak_bytes))

@@ -94,6 +94,22 @@ class Chunks:
     w_held_bytes: tuple[int, ...] = ()
     """Per chunk, what B leaves for W (a CPU profile; empty: W frees the simulator's share)."""
 
+    def at_bf16(self) -> Chunks:
+        """These chunks trained at `--precision bf16`: what activations weigh halves (stashes,
+        inputs, messages, what W holds; the profile ran the fp32 model), autograd's host
+        records do not. Weights, gradients and optimizer state are ByteFacts' to price."""
+
+        def half(values: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(v // 2 for v in values)
+
+        return replace(
+            self,
+            stash_bytes=half(self.stash_bytes),
+            input_bytes=half(self.input_bytes),
+            message_bytes=half(self.message_bytes),
+            w_held_bytes=half(self.w_held_bytes),
+        )
+
     def fused(self) -> Chunks:
         """These chunks as a schedule without separate W prices them: it only ever runs BW,
         which the cost model times as B + W, so B and W are scaled to sum to the fused time;

@@ -64,20 +64,26 @@ def parse_bytes(text: str, what: str = "--memory-per-device") -> int:
     return int(value)
 
 
-def byte_facts(chunks: Chunks) -> ByteFacts:
-    """The prediction's per-chunk facts, from the profile's chunks."""
+def byte_facts(chunks: Chunks, precision: str = "fp32", zero: int = 1) -> ByteFacts:
+    """The prediction's per-chunk facts, from the profile's chunks (already at `precision`:
+    `Chunks.at_bf16`), for a run at `precision` with ZeRO-1 over `zero` copies."""
     return ByteFacts(
         chunks.params,
         chunks.param_bytes,
         tuple(float(b) for b in chunks.message_bytes),
         tuple(float(b) for b in chunks.host_bytes),
         tuple(float(b) for b in chunks.w_held_bytes),
+        precision=precision,
+        zero=zero,
     )
 
 
-def predicted(result: CompileResult, chunks: Chunks, device: str) -> list[Samples]:
-    """Every rank's bytes after each instruction of `result`'s programs, run on `device`."""
-    facts, ahead = for_device(byte_facts(chunks), device)
+def predicted(
+    result: CompileResult, chunks: Chunks, device: str, precision: str = "fp32", zero: int = 1
+) -> list[Samples]:
+    """Every rank's bytes after each instruction of `result`'s programs, run on `device` at
+    `precision` with ZeRO-1 over `zero` copies (1: none)."""
+    facts, ahead = for_device(byte_facts(chunks, precision, zero), device)
     c = result.compiled
     return rank_samples(c.layout, c.programs, result.costs, result.sim, facts, ahead)
 

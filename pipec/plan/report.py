@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from codegen.render import format_bytes
 from passes.memory_bytes import TERMS
 from passes.topology import Link
-from pipec.plan.candidates import Evaluated
+from pipec.plan.candidates import Evaluated, PlanRequest
 from pipec.plan.driver import Plan
 
 
@@ -53,6 +53,12 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _training(req: PlanRequest) -> str:
+    """The precision and sharding priced, where not the default fp32 without ZeRO."""
+    said = ([req.precision] if req.precision != "fp32" else []) + (["ZeRO-1"] if req.zero else [])
+    return f" ({', '.join(said)})" if said else ""
+
+
 def render_text(plan: Plan, top: int = 10, chosen: Sequence[int] = (1,)) -> str:
     """The human-readable report; the rows numbered in `chosen` (1: the best) get their
     predicted peak bytes per rank, by term."""
@@ -61,7 +67,7 @@ def render_text(plan: Plan, top: int = 10, chosen: Sequence[int] = (1,)) -> str:
     made = "the factory's" if prof.factory_sized else "the example resized"
     lines = [
         (
-            f"pipec plan {prof.name}: p={req.p} dp={req.dp}, global batch "
+            f"pipec plan {prof.name}: p={req.p} dp={req.dp}{_training(req)}, global batch "
             f"{req.global_batch} ({prof.tokens_per_sample} tokens/sample), "
             f"{format_bytes(req.bytes_per_device)} per device"
         ),
@@ -183,6 +189,8 @@ def render_json(plan: Plan, command: Callable[[Evaluated], str] | None = None) -
         "model": prof.name,
         "p": req.p,
         "dp": req.dp,
+        "precision": req.precision,
+        "zero": int(req.zero),
         "global_batch": req.global_batch,
         "memory_per_device": req.bytes_per_device,
         "comm_s": req.comm_s,

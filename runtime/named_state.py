@@ -1,0 +1,121 @@
+"""A Trainer's checkpoint state under the model's own names, whatever its sharding or dtype.
+
+Keys as pipec/checkpoint.py describes them: `model.NAME` (the fp32 master of parameter NAME;
+floating buffers in fp32), `optim.NAME.STATE` (the optimizer state of the whole parameter) and
+`step`. Under ZeRO-1 each state tensor is all-gathered over the data-parallel group at save
+(every copy joins; the first writes) and sliced at load, so a checkpoint moves freely between
+precisions, ZeRO and any D, partition or schedule of the same model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipec import checkpoint
+from runtime.optim import Trainer, _Slice
+
+
+def _flat(tr: Trainer, per_slice: list[Tensor]) -> Tensor:
+    """A per-slice quantity laid out as all of the rank's parameters end to end (fp32)."""
+    rt = tr.rt
+    mine = torch.zeros(tr.shard, dtype=torch.float32, device=rt.device)
+    for s, v in zip(tr.slices, per_slice):
+        a = tr.at(s)
+        mine[a : a + s.hi - s.lo] = v.view(-1)
+    if not tr.options.zero:
+        return mine
+    full = torch.empty(tr.shard * rt.dp, dtype=torch.float32, device=rt.device)
+    dist.all_gather_single(full, mine, group=rt.dp_group)
+    return full
+
+
+def _moments(tr: Trainer) -> list[str]:
+    """The optimizer's per-element state keys (AdamW: exp_avg, exp_avg_sq)."""
+    state = tr.inner.state.get(tr.slices[0].master, {}) if tr.slices else {}
+    return [k for k, v in state.items() if k != "step" and torch.is_tensor(v)]
+
+
+def state_dict(tr: Trainer, modules: list[nn.Module]) -> dict[str, object]:
+    """This rank's part of a checkpoint: the first pipeline's parameters and buffers of
+    `modules`' stages (empty `modules`: nothing, though the rank still joins the gathers)."""
+    rt = tr.rt
+    mine = {id(p) for m in modules for p in m.parameters()}
+    flats = {"model": _flat(tr, [s.master for s in tr.slices])}
+    for key in _moments(tr):
+        flats[key] = _flat(tr, [tr.inner.state[s.master][key] for s in tr.slices])
+    first = tr.inner.state.get(tr.slices[0].master, {}) if tr.slices else {}
+    out: dict[str, object] = {}
+    for h in tr.held:
+        if id(h.param) not in mine:
+            continue
+        for key, flat in flats.items():
+            value = flat[h.offset : h.offset + h.param.numel()].view(h.param.shape).clone()
+            for name in h.names:
+                out[f"model.{name}" if key == "model" else f"optim.{name}.{key}"] = value
+        if "step" in first:
+            for name in h.names:
+                out[f"optim.{name}.step"] = first["step"].clone()
+    params = {n for m in modules for n, _ in m.named_parameters(remove_duplicate=False)}
+    for m in modules:
+        for name, t in m.state_dict().items():
+            if name not in params:
+                out[f"model.{name}"] = rt.fp32_buffers.get(name, t)
+    return out
+
+
+def _slice(value: Tensor, s: _Slice) -> Tensor:
+    """A saved per-element state's elements of slice `s` (a scalar, such as AdamW's step,
+    as saved)."""
+    return value.reshape(-1)[s.lo : s.hi].clone() if value.numel() > 1 else value
+
+
+def load(tr: Trainer, path: Path) -> int:
+    """Load checkpoint `path` into the rank's parameters, masters, buffers and optimizer
+    state (this rank's slices of each); returns its step. Reads only."""
+    rt = tr.rt
+    saved = checkpoint.manifest(path)
+    every = saved["tensors"].keys() | saved["scalars"].keys()
+    keys = ["step"]
+    optim: dict[int, list[str]] = {}
+    for h in tr.held:
+        prefix = f"optim.{h.names[0]}."
+        optim[id(h.param)] = [
+            k for k in every if k.startswith(prefix) and "." not in k[len(prefix) :]
+        ]
+        keys += [f"model.{h.names[0]}", *optim[id(h.param)]]
+    params = {n for m in rt.modules.values() for n, _ in m.named_parameters()}
+    buffers = {
+        n: b for m in rt.modules.values() for n, b in m.state_dict().items() if n not in params
+    }
+    keys += [f"model.{n}" for n in buffers]
+    state = checkpoint.read(path, keys, saved)
+    with torch.no_grad():
+        for h in tr.held:
+            h.param.copy_(state[f"model.{h.names[0]}"])
+        for n, b in buffers.items():
+            value = state[f"model.{n}"]
+            b.copy_(value)
+            if n in rt.fp32_buffers:
+                rt.fp32_buffers[n] = value.float()
+        by_param = {id(h.param): h for h in tr.held}
+        loaded: dict[int, dict[str, Tensor]] = {}
+        optimized = (p for g in tr.inner.param_groups for p in g["params"])
+        index = {id(p): i for i, p in enumerate(optimized)}
+        for s in tr.slices:
+            h = by_param[id(s.param)]
+            full = state[f"model.{h.names[0]}"].reshape(-1)
+            if tr.bf16:  # fp32 masters are views of the parameters, loaded above
+                s.master.copy_(full[s.lo : s.hi])
+            keys = optim[id(s.param)]
+            if keys:
+                loaded[index[id(s.master)]] = {
+                    k.rsplit(".", 1)[1]: _slice(state[k], s) for k in keys
+                }
+    if loaded:
+        groups = tr.inner.state_dict()["param_groups"]
+        tr.inner.load_state_dict({"state": loaded, "param_groups": groups})
+    return int(state["step"])
