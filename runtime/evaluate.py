@@ -54,11 +54,11 @@ HANDLERS: Mapping[Op, Handler] = {
 def evaluate(rt: Rank, batches: int, watchdog: Watchdog) -> float:
     """The mean loss over the micro-batches of eval_data's first `batches` global batches;
     every rank calls it at the same point and gets the same value."""
-    saved = rt.program, rt.data, rt.batch_cache, rt.losses, watchdog.describe
+    saved = rt.program, rt.positions, rt.data, rt.batch_cache, rt.losses, watchdog.describe
     modes = {s: m.training for s, m in rt.modules.items()}
     total, count = 0.0, 0
     try:
-        rt.program = rt.build.eval_programs[rt.rank]
+        rt.program, rt.positions = rt.build.eval_programs[rt.rank], None  # its own positions
         rt.data = Stream(rt.spec, rt.layout.m * rt.dp, 0, "eval_data")
         rt.losses = {}
         source = eval_file(rt.rank)
@@ -67,14 +67,14 @@ def evaluate(rt: Rank, batches: int, watchdog: Watchdog) -> float:
             module.eval()
         with torch.no_grad():
             for _ in range(batches):
-                rt.new_step()
+                rt.new_step(rt.step)  # the training step's number: no optimizer step here
                 run_program(rt, HANDLERS, watchdog)
                 rt.comm.complete()  # no optimizer step drains the sends
                 total += sum(rt.losses.values())
                 count += len(rt.losses)
                 rt.losses.clear()
     finally:
-        rt.program, rt.data, rt.batch_cache, rt.losses, watchdog.describe = saved
+        rt.program, rt.positions, rt.data, rt.batch_cache, rt.losses, watchdog.describe = saved
         for s, module in rt.modules.items():
             module.train(modes[s])
     sums = torch.tensor([total, count], dtype=torch.float64, device=rt.device)

@@ -66,7 +66,7 @@ def pipec_losses(build: Build, case: dict, watchdog: Watchdog) -> list[float]:
     for _ in range(case["steps"]):
         values: list[torch.Tensor] = []
         if rt is not None:
-            rt.new_step()
+            rt.new_step(rt.step + 1)
             run_program(rt, HANDLERS, watchdog)
             values = [torch.tensor(v) for v in rt.losses.values()]
             rt.losses.clear()
