@@ -56,7 +56,7 @@ def test_compile_and_show_print_the_partition(built, capsys):
     assert [line.split(":")[1].split()[0] for line in partition[1:]] == [
         "encoder.block.0-1", "encoder.block.2-3", "decoder.block.0-1", "decoder.block.2-3"
     ]  # fmt: skip
-    shares = [float(line.split()[4].rstrip("%")) for line in partition[1:]]
+    shares = [float(line.split()[5].rstrip("%")) for line in partition[1:]]
     assert sum(shares) == pytest.approx(100, abs=0.3)
     pipec_main(["show", str(tmp / "again" / "t5-4"), "--lines", "1"])
     assert capsys.readouterr().out.splitlines()[1:6] == partition
