@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import pipec.frontend.plan
+from codegen.partition import partition_text
 from pipec.cli import main as pipec_main
 from pipec.frontend import FrontendError, ModelPlan, ModelSpec, build_model_plan
 from pipec.frontend.blocks import find_blocks
@@ -154,3 +155,19 @@ def test_check_grads_passes_on_stacks_and_with_dropout(built, tmp_path):
         assert "check-grads: ok, every stage matches" in report, report
         dropped = "check-grads: dropout off in both" in report
         assert dropped == (name == "dropout"), report
+
+
+def test_many_stages_print_the_partition_in_one_line():
+    stages = [
+        {"stage": k, "blocks": [k, k + 1], "flops": {"F": 1, "B": 2, "W": 1}} for k in range(20)
+    ]
+    model = {
+        "blocks": {"path": "layers", "count": 20},
+        "partition": {"mode": "uniform", "blocks_per_stage": [1] * 20},
+        "stages": stages,
+    }
+    counts = ",".join(["1"] * 20)
+    assert partition_text(model, None).splitlines() == [  # type: ignore[arg-type]
+        "blocks: layers.0-19 (20), uniform, 20 stages",
+        f"  blocks per stage {counts}; F+B+W FLOPs per stage 5.0% to 5.0% of the model's",
+    ]
