@@ -462,7 +462,7 @@ def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
         f"makespan {sim.makespan:.6g}{' ' + unit if unit else ''}, bubble {sim.bubble:.4f}, "
         f"span_bubble {sim.span_bubble:.4f}"
     )
-    if "model" in result.plan:
+    if result.plan.get("model"):
         click.echo(partition_text(result.plan["model"], result.compiled.layout))
     if result.plan.get("evict"):
         click.echo(_eviction_line(sim, result.compiled.layout, result.costs, result.plan))
@@ -527,7 +527,7 @@ def show(directory: Path, lines: int, width: int, as_json: bool) -> None:
         click.echo(json.dumps(_show_json(build, sim, _measured(directory)), sort_keys=True))
         return
     click.echo(f"{c.schedule} p={c.p} m={c.m} v={c.v} plan {build.plan_hash}")
-    if "model" in build.plan:
+    if build.plan.get("model"):
         click.echo(partition_text(build.plan["model"], c.layout))
     for rank, program in enumerate(c.programs):
         shown = program if lines <= 0 else program[:lines]

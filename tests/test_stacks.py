@@ -10,10 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 import pipec.frontend.plan
+from codegen.partition import partition_text
 from pipec.cli import main as pipec_main
-from pipec.frontend import FrontendError, build_model_plan
+from pipec.frontend import FrontendError, ModelPlan, ModelSpec, build_model_plan
+from pipec.frontend.blocks import find_blocks
 from tests.runtime_launch import launch
 
 MODELS = Path(__file__).resolve().parent / "frontend_models" / "stacks.py"
@@ -45,6 +49,7 @@ def test_every_stack_is_cut_and_balanced_by_counted_flops(built, model, p):
     totals = [sum(s["flops"].values()) for s in plan["stages"]]
     assert max(totals) / min(totals) <= 1.5
     assert sum(plan["partition"]["blocks_per_stage"]) == sum(n for _, n in stacks)
+    assert ModelPlan.from_json(plan).to_json() == {k: v for k, v in plan.items() if k != "factory"}
 
 
 def test_compile_and_show_print_the_partition(built, capsys):
@@ -56,7 +61,7 @@ def test_compile_and_show_print_the_partition(built, capsys):
     assert [line.split(":")[1].split()[0] for line in partition[1:]] == [
         "encoder.block.0-1", "encoder.block.2-3", "decoder.block.0-1", "decoder.block.2-3"
     ]  # fmt: skip
-    shares = [float(line.split()[4].rstrip("%")) for line in partition[1:]]
+    shares = [float(line.split()[5].rstrip("%")) for line in partition[1:]]
     assert sum(shares) == pytest.approx(100, abs=0.3)
     pipec_main(["show", str(tmp / "again" / "t5-4"), "--lines", "1"])
     assert capsys.readouterr().out.splitlines()[1:6] == partition
@@ -66,6 +71,42 @@ def test_split_points_name_blocks_of_any_stack():
     plan = build_model_plan(f"{MODELS}:t5", 2, split_points=("decoder.block.0",), progress=False)
     assert plan.partition == (4, 4) and plan.partition_mode == "explicit"
     assert plan.stages[1].blocks == (4, 8)
+
+
+class Block(nn.Module):
+    """A composite block holding a stack of its own (a mixture's experts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(e(x) for e in self.experts)
+
+
+class Zipped(nn.Module):
+    """Two stacks whose calls interleave (`zip(self.attns, self.mlps)`) and a Sequential of
+    blocks between distinct layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attns = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.mlps = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.tail = nn.Sequential(nn.Linear(4, 4), Block(), Block(), nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for attn, mlp in zip(self.attns, self.mlps):
+            x = mlp(attn(x))
+        return self.tail(x)
+
+
+def test_stacks_are_outermost_and_ordered_as_the_forward_runs_them():
+    model = Zipped()
+    assert find_blocks(model).stacks == (("attns", 3), ("mlps", 3), ("tail", 4))
+    spec = ModelSpec(model, (torch.randn(2, 4),), torch.randn(2, 4), nn.functional.mse_loss)
+    plan = build_model_plan(spec, 2, "uniform", progress=False)
+    assert plan.stacks == (("attns", 3), ("tail", 4))  # interleaved: the first of equals
+    assert plan.partition == (4, 3)
 
 
 def test_a_stem_of_distinct_layers_is_no_stack():
@@ -114,3 +155,19 @@ def test_check_grads_passes_on_stacks_and_with_dropout(built, tmp_path):
         assert "check-grads: ok, every stage matches" in report, report
         dropped = "check-grads: dropout off in both" in report
         assert dropped == (name == "dropout"), report
+
+
+def test_many_stages_print_the_partition_in_one_line():
+    stages = [
+        {"stage": k, "blocks": [k, k + 1], "flops": {"F": 1, "B": 2, "W": 1}} for k in range(20)
+    ]
+    model = {
+        "blocks": {"path": "layers", "count": 20},
+        "partition": {"mode": "uniform", "blocks_per_stage": [1] * 20},
+        "stages": stages,
+    }
+    counts = ",".join(["1"] * 20)
+    assert partition_text(model, None).splitlines() == [  # type: ignore[arg-type]
+        "blocks: layers.0-19 (20), uniform, 20 stages",
+        f"  blocks per stage {counts}; F+B+W FLOPs per stage 5.0% to 5.0% of the model's",
+    ]

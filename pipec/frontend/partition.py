@@ -26,11 +26,13 @@ def check_fits(stacks: Stacks, n_stages: int, v: int = 1) -> None:
     if 1 <= n_stages <= n:
         return
     if v == 1:
-        fix = f"use -p {n} or fewer"
+        fix = f"; use 1 to {n} stages"
     else:
-        fix = f"v={v} stages on each rank, so they fit at most p={n // v} (asked p={n_stages // v})"
+        fix = (
+            f": v={v} stages on each rank, so they fit at most p={n // v} (asked p={n_stages // v})"
+        )
     raise FrontendError(
-        f"cannot split {n} blocks into {n_stages} stages ({stacks.describe()}): {fix}"
+        f"cannot split {n} blocks into {n_stages} stages ({stacks.describe()}){fix}"
     )
 
 
