@@ -36,8 +36,8 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from passes.to_torch import torch_rows
 from pipec.build_dir import Build, load
+from pipec.frontend.blocks import Stacks, find_blocks
 from pipec.frontend.facts import ModelPlan
-from pipec.frontend.partition import find_blocks
 from pipec.ir import PipecError
 
 Loss = Callable[[Any, Tensor], Tensor]
@@ -79,10 +79,15 @@ def stage_modules(build_dir: Path | str, model: nn.Module, pp_rank: int) -> dict
             f"{build_dir}: tied parameters span stages ({names}); torch's PipelineStage keeps "
             "no tie between stages: untie them (e.g. tie_word_embeddings=False) and recompile"
         )
-    blocks_path, n_blocks = find_blocks(model)
-    if (blocks_path, n_blocks) != (plan.blocks_path, plan.n_blocks):
+    if len(plan.stacks) > 1:
         raise PipecError(
-            f"{type(model).__name__} has {n_blocks} blocks in {blocks_path!r}, the build "
+            f"{build_dir}: cut along several stacks of blocks ({Stacks(plan.stacks).describe()}); "
+            "torch's engine path cuts one stack: run this build with `pipec run`"
+        )
+    found = find_blocks(model)
+    if dict(found.stacks).get(plan.blocks_path) != plan.n_blocks:
+        raise PipecError(
+            f"{type(model).__name__} has the blocks {found.describe() or 'none'}, the build "
             f"{build_dir} {plan.n_blocks} in {plan.blocks_path!r}: pass the model the build was "
             "compiled from, or recompile for this one"
         )
