@@ -40,6 +40,30 @@ Handler = Callable[[Rank, Instr], None]
 #: after them), OVERLAP runs nothing. The meter does not read after them (`Positions`).
 QUIET = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.RETURN, Op.OVERLAP})
 
+#: Backward ops that raise the bytes only the first time in a step for their stage: the first
+#: allocates the stage's weight gradients (zeroed to None by the step before), a later one
+#: adds into them in place. A fused BW frees its stash, its inputs and the gradients it
+#: received, and allocates only its input gradients (the size of the inputs it frees); W
+#: frees what B left for it. B is not here: what it leaves for W can outweigh what it frees.
+FIRST_ONLY = frozenset({Op.BW, Op.W})
+
+
+def meter_points(program: Sequence[Instr], posts: Mapping[int, Sequence[int]]) -> tuple[bool, ...]:
+    """After which instructions the meter reads: where the bytes can rise above every earlier
+    reading. Not after a quiet op, nor at a receive's own position once it was posted ahead
+    (nothing runs there), nor after a BW or W of a stage other than its first in the step:
+    those only let bytes go. Where receives are posted, always."""
+    ahead = {j for js in posts.values() for j in js}
+    seen: set[tuple[Op, int]] = set()
+    out = []
+    for k, instr in enumerate(program):
+        first = (instr.op, instr.stage) not in seen
+        if instr.op in FIRST_ONLY:
+            seen.add((instr.op, instr.stage))
+        quiet = k in ahead or instr.op in QUIET or (instr.op in FIRST_ONLY and not first)
+        out.append(k in posts or not quiet)
+    return tuple(out)
+
 
 def run_in_turn(rank: Rank, instr: Instr) -> None:
     """OVERLAP is a hint that the next F and B may run concurrently; this runtime runs them
@@ -84,7 +108,7 @@ class StepTrace:
     start[k] is when instruction k began its own work (after waiting for its inputs);
     handler_s sums the handlers' durations, so wall_s - handler_s is the interpreter's own cost.
     After instruction k: live[k] stash-counter bytes, real[k] the meter's real bytes (its last
-    reading at or before k: it reads only after instructions that can allocate).
+    reading at or before k: it reads only where the bytes can rise, see `meter_points`).
     real_peak is the step's real peak (on CUDA including peaks inside instructions) and
     state_at_peak the parameters, gradients and optimizer state alive at the highest sample.
     """
@@ -105,8 +129,8 @@ class Positions:
     """What the loop needs to know about a rank's program beyond its instructions, the same
     every step (made at the first, kept on the rank): where receives are posted (`posts`:
     {k: receives posted before k}; `ahead`: the receives so posted, which do nothing at their
-    own position), which instructions end an NCCL batch, after which ones the meter reads, and
-    the parameters whose gradients the state at the peak counts."""
+    own position), which instructions end an NCCL batch, after which ones the meter reads
+    (`metered`), and the parameters whose gradients the state at the peak counts."""
 
     posts: Mapping[int, tuple[int, ...]]
     ahead: frozenset[int]
@@ -118,15 +142,11 @@ class Positions:
     def of(rt: Rank) -> Positions:
         program, comm = rt.program, rt.comm
         posts = post_points(program, comm.post_ahead)
-        ahead = frozenset(j for js in posts.values() for j in js)
-        metered = tuple(
-            k in posts or (k not in ahead and i.op not in QUIET) for k, i in enumerate(program)
-        )
         return Positions(
             {k: tuple(js) for k, js in posts.items()},
-            ahead,
+            frozenset(j for js in posts.values() for j in js),
             batch_ends(program) if comm.batched else frozenset(),
-            metered,
+            meter_points(program, posts),
             tuple(rt.parameters()),
         )
 
@@ -142,8 +162,9 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
     and sends is unchanged; the cost is each buffer from its posting to its consumer, which the
     prediction counts.
 
-    The meter reads after the instructions that can allocate (`Positions.metered`); after the
-    others the last reading stands, since letting buffers go cannot raise the peak.
+    The meter reads only where the bytes can rise (`meter_points`); after the other instructions
+    the last reading stands, an upper bound of what they hold: they only let bytes go, so the
+    step's peak is the same.
     """
     program, comm = rt.program, rt.comm
     if rt.meter is None:

@@ -102,10 +102,11 @@ def test_python_calls_per_instruction_stay_bounded(programs, r, protocol):
 
 
 @pytest.mark.parametrize("r,protocol", CASES)
-def test_the_meter_reads_only_after_instructions_that_can_allocate(programs, r, protocol):
-    """One reading per instruction that can raise the peak (compute, a receive posted, the
-    optimizer), none after a send or after a receive's own position once it was posted ahead;
-    and the positions of a step are worked out once per rank, not once per step."""
+def test_the_meter_reads_only_where_the_bytes_can_rise(programs, r, protocol):
+    """One reading per instruction that can raise the bytes: every forward, where receives
+    are posted, the optimizer, the first BW of a stage in the step; none after a send, a
+    receive posted ahead or a later BW (which only let bytes go). The positions of a step are
+    worked out once per rank, not once per step."""
     program = programs[r]
     rt = rank(program, protocol)
     trace = run_program(rt, dict.fromkeys(HANDLERS, nothing), WATCHDOG)
@@ -113,18 +114,20 @@ def test_the_meter_reads_only_after_instructions_that_can_allocate(programs, r, 
     for _ in range(STEPS - 1):
         run_program(rt, dict.fromkeys(HANDLERS, nothing), WATCHDOG)
     assert rt.positions is positions
-    posted = set(positions.posts)
-    allocating = [
-        k
-        for k, i in enumerate(program)
-        if k in posted or (k not in positions.ahead and i.op not in QUIET)
-    ]
-    assert rt.meter.reads == STEPS * len(allocating)
-    computes = sum(i.op not in QUIET and i.op not in (Op.RECV_ACT, Op.RECV_GRAD) for i in program)
-    assert len(allocating) <= computes + len(posted)
-    if protocol == "gloo":  # every receive posted at the start: only compute is metered
-        assert len(allocating) < 0.6 * len(program)
-    # a reading stands for the instructions after it up to the next
-    for k in range(1, len(program)):
-        if k not in allocating:
+    read = positions.metered
+    assert rt.meter.reads == STEPS * sum(read)
+    for k, instr in enumerate(program):
+        if k in positions.posts or instr.op in (Op.F, Op.OPTIMIZER_STEP):
+            assert read[k], f"{instr} at {k} not read"
+        elif instr.op in QUIET or k in positions.ahead:
+            assert not read[k], f"{instr} at {k} read"
+    for stage in {i.stage for i in program if i.op is Op.BW}:
+        bws = [k for k, i in enumerate(program) if i.op is Op.BW and i.stage == stage]
+        assert [read[k] for k in bws] == [True] + [False] * (len(bws) - 1)
+    if protocol == "gloo":  # every receive posted before instruction 0: read there, then at
+        # the forwards, one BW and the optimizer
+        forwards = sum(i.op is Op.F for i in program)
+        assert sum(read) == (program[0].op is not Op.F) + forwards + 2
+    for k in range(1, len(program)):  # a reading stands for the instructions up to the next
+        if not read[k]:
             assert trace.real[k] == trace.real[k - 1]

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend
 from torch.utils.flop_counter import (
     register_flop_formula,
     sdpa_backward_flop_count,
@@ -168,13 +169,35 @@ def _(do: Tensor, q: Tensor, k: Tensor, v: Tensor, *rest: object) -> tuple[Tenso
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def _cpu_flash(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> bool:
+    """Whether SDPA ran these fp32 CPU inputs on its flash kernel (no grouped heads)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and q.shape[1] == k.shape[1]
+        and torch._fused_sdp_choice(q, k, v, is_causal=is_causal, scale=scale)
+        == SDPBackend.FLASH_ATTENTION.value
+    )
+
+
 def _sdpa_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, is_causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """SDPA's gradients, in fp32 or wider: P = softmax(scale·QKᵀ) recomputed, then
+    """SDPA's gradients. Where its forward ran the fp32 CPU flash kernel, that kernel's own
+    backward (what autograd runs for SDPA, bit for bit), given the log-sum-exp the op does not
+    keep: the forward recomputed by the same kernel, a quarter of the backward's time.
+    Elsewhere written out, in fp32 or wider: P = softmax(scale·QKᵀ) recomputed, then
     dV = PᵀdO, dS = P∘(dO Vᵀ − rowsum(dO∘O)), dQ = scale·dS K, dK = scale·dSᵀQ, with a kv
     head's dK and dV summed over its group of q heads. Causal is SDPA's top-left mask. Like
     SDPA's math backend, it holds the (seq_q, seq_k) scores of every head while it runs."""
+    if _cpu_flash(q, k, v, is_causal, scale):
+        aten = torch.ops.aten
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, scale=scale
+        )
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, is_causal, scale=scale
+        )
     group = q.shape[1] // k.shape[1]
     wide = torch.promote_types(q.dtype, torch.float32)
     do_, q_, o_ = do.to(wide), q.to(wide), o.to(wide)
