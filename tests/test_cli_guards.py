@@ -77,7 +77,7 @@ def test_out_is_never_the_working_directory_or_above_it(tmp_path, monkeypatch, c
     def never(*args, **kw):
         raise AssertionError("compiled before checking --out")
 
-    monkeypatch.setattr("pipec.cli.compile_schedule", never)
+    monkeypatch.setattr("pipec.commands.compiling.compile_schedule", never)
     assert cli_run("compile", *SHAPE, "--out", out, *force) == 2
     assert "is the working directory or holds it" in one_line_error(capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]

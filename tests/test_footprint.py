@@ -23,7 +23,7 @@ def test_a_shape_that_would_not_fit_is_refused_before_building(monkeypatch, caps
     def never(*args, **kw):
         raise AssertionError("the compile started")
 
-    monkeypatch.setattr("pipec.cli.compile_schedule", never)
+    monkeypatch.setattr("pipec.commands.compiling.compile_schedule", never)
     assert cli_run("simulate", "-s", "1f1b", "-p", "100000", "-m", "8") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
@@ -79,7 +79,7 @@ def test_a_long_compile_reports_progress(monkeypatch, capsys):
 def test_progress_goes_to_stderr_that_is_not_a_terminal(monkeypatch, capsys):
     """A log or a pipe (capsys is neither a terminal) gets the lines a terminal gets."""
     monkeypatch.setenv("PIPEC_PROGRESS", "1")
-    ticking(monkeypatch, "pipec.cli.compile_schedule")
+    ticking(monkeypatch, "pipec.commands.compiling.compile_schedule")
     assert not sys.stderr.isatty()
     assert cli_run("simulate", "-s", "1f1b", "-p", "4", "-m", "8", "--json") == 0
     captured = capsys.readouterr()
@@ -89,7 +89,7 @@ def test_progress_goes_to_stderr_that_is_not_a_terminal(monkeypatch, capsys):
 
 def test_a_model_compile_names_the_model(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("PIPEC_PROGRESS", "1")
-    ticking(monkeypatch, "pipec.cli.compile_model")
+    ticking(monkeypatch, "pipec.commands.compiling.compile_model")
     model = f"{ROOT}/examples/gpt.py:tiny"
     assert cli_run("compile", model, "-s", "1f1b", "-p", "2", "-m", "2", "-o", str(tmp_path)) == 0
     first = capsys.readouterr().err.splitlines()[0]
