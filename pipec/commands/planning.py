@@ -196,7 +196,7 @@ def _plan_builds(
 ) -> None:
     """Save the plan's profile, give every row its `pipec compile` command line, and with
     `out` build row `pick` by running its command line: the printed command is the build."""
-    from pipec.plan.build import command_line, shell, torchrun_line
+    from pipec.plan.build import command_line, run_line, shell
     from pipec.plan.report import render_json, render_text, rows
     from pipec.plan.saved import SavedProfile, save
 
@@ -217,7 +217,7 @@ def _plan_builds(
         # --json: the compile's message goes to stderr, so stdout stays one JSON object.
         with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
             compile_cmd.main(args=argv[2:], prog_name="pipec compile", standalone_mode=False)
-        run = torchrun_line(out, req.p * req.dp)
+        run = run_line(out)
         built = {"pick": pick, "out": str(out), "command": shell(argv), "torchrun": run}
         if not as_json:
             click.echo(

@@ -125,8 +125,10 @@ def shell(argv: list[str]) -> str:
     return shlex.join(argv)
 
 
-def torchrun_line(out: Path, nproc: int) -> str:
-    return shell(["torchrun", "--standalone", "--nproc-per-node", str(nproc), f"{out}/launch.py"])
+def run_line(out: Path) -> str:
+    """How to train the build: `pipec run` checks its options and the build first and starts
+    torchrun with its rendezvous on 127.0.0.1 (runtime/torchrun.py)."""
+    return shell(["pipec", "run", str(out)])
 
 
 def planned_line(plan: dict, stats: dict) -> str | None:
