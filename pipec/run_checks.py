@@ -58,6 +58,7 @@ def check_run(build: Path, nproc: int | None, args: Sequence[str]) -> int | None
     the number of ranks to start, or None when only `--help` was asked for."""
     from pipec.build_dir import check_launch, load
     from pipec.provenance import check_factory
+    from runtime.train_options import zero_error
 
     if not (Path(build) / "launch.py").is_file():
         raise PipecError(
@@ -72,6 +73,8 @@ def check_run(build: Path, nproc: int | None, args: Sequence[str]) -> int | None
     options = launch_options(args)
     if options is None:
         return None
+    if error := zero_error(options, int(loaded.plan.get("dp", 1))):
+        raise PipecError(error)
     check_launch(loaded)  # pipec run executes it: it must be the plan's
     if loaded.plan.get("model") is not None and options.model is None:
         check_factory(loaded.plan["model"], loaded.path)

@@ -57,7 +57,12 @@ from runtime.metrics import Metrics, StepFigures, gather_step, open_metrics
 from runtime.optim import NonFinite, Trainer
 from runtime.options import LaunchParser, add_options, changed, effective, parse
 from runtime.rank import Rank, check_runnable
-from runtime.train_options import add_training_options, train_options, training_error
+from runtime.train_options import (
+    add_training_options,
+    train_options,
+    training_error,
+    zero_error,
+)
 
 #: What a rank's start-up does, by module (pipec.progress: the outermost on the stack names it).
 START_STEPS = (
@@ -254,11 +259,8 @@ def preflight(
                 f"{build.path} fails verification: {e} (recompile; --no-verify skips this check)"
             ) from None
     check_runnable(build, world)
-    if args.zero and int(build.plan.get("dp", 1)) < 2:
-        raise PipecError(
-            "--zero 1 shards the optimizer over data-parallel copies, and this build has one; "
-            "compile with --dp 2 or more, or drop --zero"
-        )
+    if error := zero_error(args, int(build.plan.get("dp", 1))):
+        raise PipecError(error)
     model_plan = build.plan["model"]
     spec = resolve(model_plan, args.model, build.path)
     try:

@@ -110,3 +110,13 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         bool(args.zero),
         args.skip_nonfinite,
     )
+
+
+def zero_error(args: argparse.Namespace, dp: int) -> str | None:
+    """`--zero 1` on a build of `dp` data-parallel copies: None when it can shard, else why."""
+    if args.zero and dp < 2:
+        return (
+            "--zero 1 shards the optimizer over data-parallel copies, and this build has one; "
+            "compile with --dp 2 or more, or drop --zero"
+        )
+    return None

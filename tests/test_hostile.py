@@ -257,6 +257,9 @@ def no_torchrun(monkeypatch):
         (["--nproc", "0"], "--nproc 0: this build runs 2 ranks"),
         (["--save", "FILE"], "is a file; name a directory"),
         (["--save", "FILE/sub"], "cannot write there (Not a directory)"),
+        (["--precision", "fp8"], "invalid choice: 'fp8'"),
+        (["--max-norm", "-1"], "--max-norm -1: the norm to clip to must be positive"),
+        (["--zero", "1"], "--zero 1 shards the optimizer over data-parallel copies"),
     ],
 )
 def test_pipec_run_refuses_before_starting(build, tmp_path, capsys, no_torchrun, args, message):
