@@ -158,7 +158,7 @@ def emit(result: CompileResult, out: Path, force: bool = False) -> None:
     try:
         _emit(result, out)
     except OSError as e:
-        raise PipecError(f"--out {out}: cannot write the build there ({e.strerror})") from None
+        raise PipecError(f"--out {out}: cannot write the build there ({e.strerror or e})") from None
 
 
 def _emit(result: CompileResult, out: Path) -> None:

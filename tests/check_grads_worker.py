@@ -32,7 +32,7 @@ def run_case(case: dict, watchdog: Watchdog) -> dict:
     rt = Rank.prepare(build, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
     watchdog.describe = rt.describe
     rt.connect(GradCapture, TIMEOUT_S)
-    restore(rt, None, 0, optimizer=False)
+    restore(rt, None, 0)
     printed = io.StringIO()
     with redirect_stdout(printed):
         failed = check_grads(rt, Run(build, build.plan["model"]["spec"], None, 0), HANDLERS,

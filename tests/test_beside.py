@@ -13,7 +13,7 @@ from pipec import build_dir
 from pipec.beside import beside
 from pipec.build_dir import emit
 from pipec.compile import package
-from pipec.ir import Compiled, Op
+from pipec.ir import Compiled, Op, PipecError
 from tests.helpers import run
 
 FORKED = beside_module.MIN_FORKED_WORK  # work at which beside forks
@@ -113,7 +113,9 @@ def test_a_failed_forked_emit_leaves_no_directory(always_fork, tmp_path, monkeyp
 
     original = build_dir._write
     monkeypatch.setattr(build_dir, "_write", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(
+        PipecError, match=r"--out .*/out: cannot write the build there \(disk full\)"
+    ):
         emit(result, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == []
