@@ -27,14 +27,14 @@ if TYPE_CHECKING:
     from runtime.rank import Rank
 
 
-def _incoming(rt: Rank, kind: Kind, producer: int, mb: int) -> tuple[Tensor, ...]:
+def incoming(rt: Rank, kind: Kind, producer: int, mb: int) -> tuple[Tensor, ...]:
     """A message from `producer`: handed over locally if it ran here, else received."""
     if rt.layout.stage_rank[producer] == rt.rank:
         return rt.local.pop((kind, producer, mb))
     return rt.comm.take(kind, producer, mb)
 
 
-def _outgoing(rt: Rank, kind: Kind, stage: int, mb: int, to: int, tensors: tuple[Tensor, ...]):
+def outgoing(rt: Rank, kind: Kind, stage: int, mb: int, to: int, tensors: tuple[Tensor, ...]):
     """Leave tensors for stage `to`: locally if it runs here, else for the SEND instruction."""
     box = rt.local if rt.layout.stage_rank[to] == rt.rank else rt.outbox
     box[(kind, stage, mb)] = tensors
@@ -61,7 +61,7 @@ def _leaves(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 def forward(rt: Rank, instr: Instr) -> None:
     s, mb = instr.stage, instr.mb
     prev = rt.layout.prev_stage(s)
-    received = rt.batch(mb)[0] if prev is None else _incoming(rt, Kind.ACT, prev, mb)
+    received = rt.batch(mb)[0] if prev is None else incoming(rt, Kind.ACT, prev, mb)
     inputs = _leaves(received)
     if (s, mb) in rt.recomputed:
         with torch.no_grad():
@@ -83,7 +83,7 @@ def forward(rt: Rank, instr: Instr) -> None:
     rt.account(stash.nbytes)
     nxt = rt.layout.next_stage(s)
     if nxt is not None:
-        _outgoing(rt, Kind.ACT, s, mb, nxt, tuple(o.detach() for o in outputs))
+        outgoing(rt, Kind.ACT, s, mb, nxt, tuple(o.detach() for o in outputs))
 
 
 def recompute(rt: Rank, instr: Instr) -> None:
@@ -113,7 +113,7 @@ def backward(rt: Rank, instr: Instr) -> None:
         outputs, grads = list(stash.outputs), None
     else:
         # Gradients come for the floating outputs only (Rank.boundary), in order.
-        received = _incoming(rt, Kind.GRAD, nxt, mb)
+        received = incoming(rt, Kind.GRAD, nxt, mb)
         floating = [o for o in stash.outputs if o.is_floating_point()]
         pairs = [(o, g) for o, g in zip(floating, received, strict=True) if o.requires_grad]
         outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
@@ -136,7 +136,7 @@ def backward(rt: Rank, instr: Instr) -> None:
             for x, g in zip(stash.inputs, input_grads)
             if x.is_floating_point()
         )
-        _outgoing(rt, Kind.GRAD, s, mb, prev, sent)
+        outgoing(rt, Kind.GRAD, s, mb, prev, sent)
 
 
 def weight_grad(rt: Rank, instr: Instr) -> None:

@@ -22,7 +22,7 @@ from torch import Tensor
 from pipec.build_dir import eval_file
 from pipec.ir import Instr, Op
 from runtime import p2p
-from runtime.compute import _incoming, _outgoing
+from runtime.compute import incoming, outgoing
 from runtime.data import Stream
 from runtime.faults import Watchdog
 from runtime.interpreter import Handler, run_program
@@ -36,12 +36,12 @@ def forward(rt: Rank, instr: Instr) -> None:
     """F(s, mb) without autograd: its output goes on; a last stage records the loss."""
     s, mb = instr.stage, instr.mb
     prev, nxt = rt.layout.prev_stage(s), rt.layout.next_stage(s)
-    inputs = rt.batch(mb)[0] if prev is None else _incoming(rt, p2p.Kind.ACT, prev, mb)
+    inputs = rt.batch(mb)[0] if prev is None else incoming(rt, p2p.Kind.ACT, prev, mb)
     out = rt.modules[s](*inputs)
     if nxt is None:
         rt.losses[mb] = rt.spec.loss_fn(out, rt.batch(mb)[1]).item()
     else:
-        _outgoing(rt, p2p.Kind.ACT, s, mb, nxt, (out,) if isinstance(out, Tensor) else tuple(out))
+        outgoing(rt, p2p.Kind.ACT, s, mb, nxt, (out,) if isinstance(out, Tensor) else tuple(out))
 
 
 HANDLERS: Mapping[Op, Handler] = {
