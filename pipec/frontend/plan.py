@@ -19,6 +19,7 @@ from torch import fx
 from pipec.frontend.blocks import Stacks, find_blocks, locate
 from pipec.frontend.boundaries import input_names, named_leaves, run_boundaries
 from pipec.frontend.cost import Flops, count_flops
+from pipec.frontend.direct import direct_calls
 from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, measure_stash_bytes
 from pipec.frontend.partition import check_fits, resolve, split_point_counts
 from pipec.frontend.spec import DEFAULT_SEED, FrontendError, ModelSpec, load_factory
@@ -86,16 +87,17 @@ def build_model_plan(
     inputs, output = run_boundaries(stages, ms)
     loss = _last_loss(ms)
     starts = [sum(counts[:k]) for k in range(n_stages)]
-    stashes = [  # before costing splits the stages' backward
+    runnable = [direct_calls(st) for st in stages]  # as the runtime runs them
+    stashes = [
         measure_stash_bytes(st, x, loss if k == n_stages - 1 else None)
-        for k, (st, x) in enumerate(zip(stages, inputs))
+        for k, (st, x) in enumerate(zip(runnable, inputs))
     ]
     stage_costs = count_flops(stages, inputs, starts, traced.stacks, loss)
     if profile:
         from pipec.frontend.profile import profile_stages  # imports the runtime package
 
         try:
-            seconds = profile_stages(stages, inputs, loss, runs=runs, progress=progress)
+            seconds = profile_stages(runnable, inputs, loss, runs=runs, progress=progress)
         except ValueError as e:
             raise FrontendError(f"cannot profile {_name(spec)}: {e}") from e
     else:
@@ -165,7 +167,8 @@ def build_stages(
     *,
     device: torch.device | str | None = None,
 ) -> list[fx.GraphModule]:
-    """Rebuild the factory with the plan's seed and partition; return `stages`' modules in order.
+    """Rebuild the factory with the plan's seed and partition; return `stages`' modules in order,
+    as they are executed (`direct_calls`: the plan's stash bytes were measured on those).
 
     `spec` None uses the plan's own. `device`: move the model and its example there before
     capturing, so that the devices an exported graph names (`arange(..., device=...)`) are the
@@ -192,7 +195,7 @@ def build_stages(
                 f"stage {k} of {spec} has {params} parameters, the plan {plan.stages[k].params};"
                 " the model changed since compiling: recompile"
             )
-    return [modules[k] for k in stages]
+    return [direct_calls(modules[k]) for k in stages]
 
 
 def _trace(

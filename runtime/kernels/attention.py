@@ -36,6 +36,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
+from pipec.frontend.direct import DIRECT
 from runtime.kernels import flash
 
 BACKENDS = ("triton", "sdpa")
@@ -229,6 +230,53 @@ def _backward(ctx, do: Tensor, _dlse: Tensor) -> tuple[Tensor | None, ...]:  # t
 _attention.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _Flash(torch.autograd.Function):
+    """The Triton kernel as a plain autograd function: `direct`'s path where the op would run
+    the kernel. Same kernels, same log-sum-exp kept, same gradients as through the op."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float):  # type: ignore[no-untyped-def, override]
+        out, lse = flash.forward(q, k, v, is_causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do: Tensor, _dlse: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[no-untyped-def, override]
+        q, k, v, o, lse = ctx.saved_tensors
+        return (*flash.backward(do, q, k, v, o, lse, ctx.is_causal, ctx.scale), None, None)
+
+
+def direct(
+    q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, scale: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """What `torch.ops.pipec.attention` returns, (output, log-sum-exp), computed without the
+    op: how a rank runs a captured stage (pipec/frontend/direct.py). The kernel through
+    `_Flash` where the op would run it; elsewhere SDPA itself under autograd, whose backward
+    keeps what its forward made (the fp32 CPU flash kernel's log-sum-exp: the same gradients
+    as the op's, bit for bit; the math backend's probabilities). Through the op, a forward and
+    backward of the tiny GPT's attention (2x4x32x16, fp32, one CPU thread) take 2.5x SDPA's
+    own: two custom-op dispatches in Python, and SDPA's forward recomputed in the backward,
+    since an op's backward sees only its inputs and outputs."""
+    if _backend(q) == "triton":
+        reason = flash.supports(q, k, v)
+        if reason is None:
+            return _Flash.apply(q, k, v, is_causal, _scale(q, scale))
+        _notice(reason)
+    gqa = k.shape[1] != q.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    return out, q.new_empty(0, dtype=torch.float32)
+
+
+def direct_attention(
+    q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, scale: float | None = None
+) -> Tensor:
+    """`attention` computed by `direct`: the output."""
+    _check_inputs(q, k, v)
+    return direct(q, k, v, is_causal, scale)[0]
+
+
 @register_flop_formula(torch.ops.pipec.attention)
 def _attention_flops(q, k, v, *args, **kwargs) -> int:  # type: ignore[no-untyped-def]
     return sdpa_flop_count(q, k, v)
@@ -257,3 +305,14 @@ def attention(
     _check_inputs(q, k, v)
     _backend(q)  # a bad PIPEC_ATTENTION is refused here, before the op
     return torch.ops.pipec.attention(q, k, v, is_causal, scale)[0]
+
+
+# How a rank runs a captured stage's attention (pipec/frontend/direct.py): the op's node
+# (torch.export) and the function's (torch.fx) call `direct`.
+DIRECT.update(
+    {
+        torch.ops.pipec.attention.default: direct,
+        torch.ops.pipec.attention: direct,
+        attention: direct_attention,
+    }
+)
