@@ -29,7 +29,7 @@ from passes.memory_bytes import ALLOCATES, post_points
 from pipec.ir import Instr, Op, PipecError
 from runtime import clock, compute, grads, offload, p2p
 from runtime.faults import Watchdog
-from runtime.meter import Meter
+from runtime.meter import Meter, Sampling
 from runtime.precision import grad_of
 from runtime.rank import FIRST_INSTR_LINE, Rank
 from runtime.stash import tensors_nbytes
@@ -111,6 +111,7 @@ class StepTrace:
     reading at or before k: it reads only where the bytes can rise, see `meter_points`).
     real_peak is the step's real peak (on CUDA including peaks inside instructions) and
     state_at_peak the parameters, gradients and optimizer state alive at the highest sample.
+    full: the meter read at every position that can raise the bytes (`Sampling`).
     """
 
     begin: float
@@ -122,6 +123,7 @@ class StepTrace:
     state_at_peak: int
     wall_s: float
     handler_s: float
+    full: bool
 
 
 @dataclass(frozen=True)
@@ -129,30 +131,37 @@ class Positions:
     """What the loop needs to know about a rank's program beyond its instructions, the same
     every step (made at the first, kept on the rank): where receives are posted (`posts`:
     {k: receives posted before k}; `ahead`: the receives so posted, which do nothing at their
-    own position), which instructions end an NCCL batch, after which ones the meter reads
-    (`metered`), and the parameters whose gradients the state at the peak counts."""
+    own position), which instructions end an NCCL batch, after which ones the meter can read
+    (`metered`) and does in each step (`sampling`), and the parameters whose gradients the
+    state at the peak counts."""
 
     posts: Mapping[int, tuple[int, ...]]
     ahead: frozenset[int]
     ends: frozenset[int]
     metered: tuple[bool, ...]
+    sampling: Sampling
     params: tuple[nn.Parameter, ...]
 
     @staticmethod
     def of(rt: Rank) -> Positions:
         program, comm = rt.program, rt.comm
         posts = post_points(program, comm.post_ahead)
+        metered = meter_points(program, posts)
         return Positions(
             {k: tuple(js) for k, js in posts.items()},
             frozenset(j for js in posts.values() for j in js),
             batch_ends(program) if comm.batched else frozenset(),
-            meter_points(program, posts),
+            metered,
+            Sampling(metered, always_full=rt.device.type == "cuda"),
             tuple(rt.parameters()),
         )
 
 
-def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) -> StepTrace:
-    """Execute the rank's program once (one training step).
+def run_program(
+    rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog, full: bool = False
+) -> StepTrace:
+    """Execute the rank's program once (one training step); `full`: the meter reads at every
+    position that can raise the bytes (the last step, whose timeline is written).
 
     Receives are posted where `post_points` says for `comm.post_ahead`: on gloo all of a
     step's at its start, since a gloo send whose receive is not posted waits for the
@@ -162,9 +171,9 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
     and sends is unchanged; the cost is each buffer from its posting to its consumer, which the
     prediction counts.
 
-    The meter reads only where the bytes can rise (`meter_points`); after the other instructions
-    the last reading stands, an upper bound of what they hold: they only let bytes go, so the
-    step's peak is the same.
+    The meter reads only where the bytes can rise (`meter_points`), and on CPU in most steps
+    only where full steps peaked (`Sampling`); after the other instructions the last reading
+    stands, an upper bound of what they hold where they only let bytes go.
     """
     program, comm = rt.program, rt.comm
     if rt.meter is None:
@@ -172,7 +181,8 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
     if rt.positions is None:
         rt.positions = Positions.of(rt)
     meter, pos = rt.meter, rt.positions
-    posts, ahead, ends, metered, params = pos.posts, pos.ahead, pos.ends, pos.metered, pos.params
+    posts, ahead, ends, params = pos.posts, pos.ahead, pos.ends, pos.params
+    reads = pos.sampling.next_step(full)
     n = len(program)
     begun, start, end = [0.0] * n, [0.0] * n, [0.0] * n
     live, real = [0] * n, [0] * n
@@ -203,7 +213,7 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
             begun[k], start[k], end[k] = t0, t0 + comm.pop_waited(), t1
         comm.poll()
         live[k] = rt.live
-        if metered[k]:
+        if reads[k]:
             sample = meter.read()
             if sample > best:
                 grads = [g for p in params if (g := grad_of(p)) is not None]
@@ -213,5 +223,9 @@ def run_program(rt: Rank, handlers: Mapping[Op, Handler], watchdog: Watchdog) ->
     handler = sum(map(sub, end, begun))
     start, end = timer.finish(t_begin, start, end)  # on CUDA: when the GPU ran each one
     wall = now() - t_begin
+    pos.sampling.learn(reads, real)
     peak = meter.step_peak(real)
-    return StepTrace(t_begin, start, end, tuple(live), tuple(real), peak, state, wall, handler)
+    full = reads is pos.metered
+    return StepTrace(
+        t_begin, start, end, tuple(live), tuple(real), peak, state, wall, handler, full
+    )

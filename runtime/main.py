@@ -181,7 +181,7 @@ def train(
         if pending and finish_step():
             return traces
         rt.new_step(step + 1)
-        traces.append(run_program(rt, handlers, watchdog))
+        traces.append(run_program(rt, handlers, watchdog, full=step + 1 == steps))
         pending = gather_step(rt, traces[-1], watchdog.stopping.is_set())
         rt.losses.clear()
         if after_step:

@@ -69,7 +69,7 @@ def rank_report(
         first = min((s for s, _ in compute), default=0.0)
         last = max((e for _, e in compute), default=0.0)
         steps.append((t.wall_s * MS, busy * MS, first * MS, last * MS))
-    t = traces[-1]
+    t = next(x for x in reversed(traces) if x.full)  # the last, unless a signal stopped the run
     slots = tuple(
         (i, (t.start[k] - t.begin) * MS, (t.end[k] - t.begin) * MS)
         for k, i in enumerate(program)

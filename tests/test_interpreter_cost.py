@@ -7,6 +7,7 @@ The program is a real one (1F1B, p=2, m=8, both ranks; gloo's receive policy and
 batched one) with handlers that do nothing, so every call counted is the loop's.
 """
 
+import gc
 import sys
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ from torch import nn
 from pipec.compile import compile_schedule
 from pipec.ir import Op
 from runtime.interpreter import HANDLERS, QUIET, run_program
-from runtime.meter import Meter
+from runtime.meter import FULL_EVERY, Meter
 from runtime.p2p import Comm
 from runtime.transport import Transport
 
@@ -109,10 +110,10 @@ def test_the_meter_reads_only_where_the_bytes_can_rise(programs, r, protocol):
     worked out once per rank, not once per step."""
     program = programs[r]
     rt = rank(program, protocol)
-    trace = run_program(rt, dict.fromkeys(HANDLERS, nothing), WATCHDOG)
+    trace = run_program(rt, dict.fromkeys(HANDLERS, nothing), WATCHDOG, full=True)
     positions = rt.positions
     for _ in range(STEPS - 1):
-        run_program(rt, dict.fromkeys(HANDLERS, nothing), WATCHDOG)
+        run_program(rt, dict.fromkeys(HANDLERS, nothing), WATCHDOG, full=True)
     assert rt.positions is positions
     read = positions.metered
     assert rt.meter.reads == STEPS * sum(read)
@@ -131,3 +132,36 @@ def test_the_meter_reads_only_where_the_bytes_can_rise(programs, r, protocol):
     for k in range(1, len(program)):  # a reading stands for the instructions up to the next
         if not read[k]:
             assert trace.real[k] == trace.real[k - 1]
+
+
+def test_between_full_steps_the_meter_reads_where_they_peaked(programs):
+    """Steps 1, 2, every FULL_EVERY-th and any asked `full` read at every metered position;
+    the others only after the instructions where the last two full steps peaked, and find the
+    same peak: here each forward holds 256 KiB until its micro-batch's backward, so the peak
+    comes after the last warm-up forward."""
+    program = programs[0]
+    rt = rank(program, "gloo")
+    held: dict[int, torch.Tensor] = {}
+
+    def forward(rt, instr) -> None:  # type: ignore[no-untyped-def]
+        held[instr.mb] = torch.ones(1 << 16)
+
+    def backward(rt, instr) -> None:  # type: ignore[no-untyped-def]
+        del held[instr.mb]
+
+    handlers = dict.fromkeys(HANDLERS, nothing) | {Op.F: forward, Op.BW: backward}
+    reads, traces = [], []
+    gc.collect()  # earlier tests' garbage, freed by a collection mid-step, would lower readings
+    for step in range(1, 2 * FULL_EVERY + 2):
+        before = rt.meter.reads
+        traces.append(run_program(rt, handlers, WATCHDOG, full=step == 2 * FULL_EVERY + 1))
+        reads.append(rt.meter.reads - before)
+    metered = sum(rt.positions.metered)
+    full = [s for s in range(1, len(reads) + 1) if reads[s - 1] == metered]
+    assert full == [1, 2, FULL_EVERY, 2 * FULL_EVERY, 2 * FULL_EVERY + 1]
+    assert [t.full for t in traces] == [s in full for s in range(1, len(reads) + 1)]
+    assert all(n <= 2 for s, n in enumerate(reads, 1) if s not in full)
+    first_peak = traces[1].real_peak
+    assert first_peak >= 2 * (1 << 18)  # p=2 warm-up forwards of rank 0, each 256 KiB
+    for t in traces[2:]:
+        assert abs(t.real_peak - first_peak) <= 16 << 10, "a sparse step missed the peak"

@@ -38,6 +38,7 @@ from pipec.frontend import (
     split_model,
 )
 from pipec.frontend.blocks import find_blocks
+from pipec.frontend.direct import direct_calls
 from pipec.frontend.profile import ProgressBar, _now, on_device, profile_stages
 from pipec.frontend.spec import takes_micro_batch_size
 from pipec.ir import PipecError
@@ -75,7 +76,8 @@ def at_size(spec: str, ms: ModelSpec, sized: bool, mbs: int, n_blocks: int) -> S
     """The model's blocks and one micro-batch of `mbs` samples: the factory's own model and
     micro-batch at that size where it takes the keyword (`sized`), else `ms` with its example
     resized; on the device of `ms` (where `--device` moved it). The blocks are captured at
-    this size: torch.export bakes the example's sizes into the graph it captures."""
+    this size (torch.export bakes the example's sizes into the graph it captures), and run as
+    the runtime runs them (`direct_calls`)."""
     try:
         if sized:
             at = load_factory(spec, micro_batch_size=mbs)
@@ -83,7 +85,7 @@ def at_size(spec: str, ms: ModelSpec, sized: bool, mbs: int, n_blocks: int) -> S
         else:
             inputs, target = resize(ms, mbs)
             at = replace(ms, example_inputs=inputs, example_target=target)
-        blocks = split_model(at, n_blocks, [1] * n_blocks)
+        blocks = [direct_calls(b) for b in split_model(at, n_blocks, [1] * n_blocks)]
     except FrontendError as e:
         raise PipecError(str(e)) from None
     return Sized(at, blocks)
