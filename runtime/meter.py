@@ -122,27 +122,26 @@ class Meter:
 
 
 #: Steps between two full ones on CPU: every metered position is read in the first two steps,
-#: in every FULL_EVERY-th and in the last; the steps between read only where the last two full
-#: steps peaked (`Sampling`).
+#: in every FULL_EVERY-th and in the last; the steps between read only where the last full
+#: step peaked (`Sampling`).
 FULL_EVERY = 8
 
 
 class Sampling:
     """After which instructions of one program the CPU meter reads, step by step.
 
-    A CPU reading walks malloc's free lists: ~100 µs with the caches an instruction left cold
-    (a tiny GPT rank holds ~650 free chunks), three times the interpreter's own work per
-    instruction, at 10 of a 1F1B rank's 33 instructions. A program repeats the same
+    A CPU reading walks malloc's free lists: ~110 µs with the caches an instruction left cold
+    (a tiny GPT rank holds ~650 free chunks), ten times the interpreter's own work for an
+    instruction, and a 1F1B rank can read after 10 of its 33. A program repeats the same
     allocations every step, so its peak comes after the same instruction: a full step reads
-    at every `metered` position, and the steps between read only after the instructions where
-    the last two full steps peaked (their first highest reading). Such a step's peak is the
-    same up to malloc's noise (a few KiB; the full steps' peaks are in the run's maximum
-    anyway). On CUDA a reading is a counter: every step is full."""
+    at every `metered` position, and the steps between read only after the instruction where
+    the last full step peaked (its first highest reading). Such a step's peak is the same up
+    to malloc's noise (a few KiB; the full steps' peaks are in the run's maximum anyway). On
+    CUDA a reading is a counter: every step is full."""
 
     def __init__(self, metered: tuple[bool, ...], always_full: bool) -> None:
         self.metered, self.always_full = metered, always_full
         self.steps = 0
-        self.peaks: tuple[int, ...] = ()  # where the last two full steps peaked
         self.sparse = metered
 
     def next_step(self, full: bool = False) -> tuple[bool, ...]:
@@ -158,8 +157,7 @@ class Sampling:
         if reads is not self.metered or not real:
             return
         peak = real.index(max(real))
-        self.peaks = (*self.peaks[-1:], peak)
-        self.sparse = tuple(k in self.peaks for k in range(len(real)))
+        self.sparse = tuple(k == peak for k in range(len(real)))
 
 
 def model_state_bytes(params: list[nn.Parameter], optimizer: object) -> int:

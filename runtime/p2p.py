@@ -289,8 +289,8 @@ class Comm:
                 issued = out.works or not out.wire  # a send in the open batch has no work yet
                 if out.completed_at is None and issued and all(w.is_completed() for w in out.works):
                     out.finish(self.clock)
-        with self._lock:
-            if any(out.completed_at is not None for out in self.in_flight):
+        if any(out.completed_at is not None for out in self.in_flight):
+            with self._lock:  # the lock only where a lane finished one: waiting for it costs
                 self.in_flight = [out for out in self.in_flight if out.completed_at is None]
 
     def complete(self, kinds: frozenset[Kind] | None = None) -> None:
