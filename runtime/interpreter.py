@@ -131,29 +131,41 @@ class Positions:
     """What the loop needs to know about a rank's program beyond its instructions, the same
     every step (made at the first, kept on the rank): where receives are posted (`posts`:
     {k: receives posted before k}; `ahead`: the receives so posted, which do nothing at their
-    own position), which instructions end an NCCL batch, after which ones the meter can read
-    (`metered`) and does in each step (`sampling`), and the parameters whose gradients the
-    state at the peak counts."""
+    own position), after which instructions the meter can read (`metered`) and does in each
+    step (`sampling`), the parameters whose gradients the state at the peak counts; and the
+    same facts position by position, as the loop reads them (a tuple lookup rather than a
+    set's or a dict's: the loop's Python runs with the caches the compute left cold, and its
+    every lookup counts): the receives posted before k, whether k runs at its position, ends
+    an NCCL batch, allocates stash bytes."""
 
     posts: Mapping[int, tuple[int, ...]]
     ahead: frozenset[int]
-    ends: frozenset[int]
     metered: tuple[bool, ...]
     sampling: Sampling
     params: tuple[nn.Parameter, ...]
+    posted_at: tuple[tuple[int, ...], ...]
+    runs_at: tuple[bool, ...]
+    ends_at: tuple[bool, ...]
+    allocates_at: tuple[bool, ...]
 
     @staticmethod
     def of(rt: Rank) -> Positions:
         program, comm = rt.program, rt.comm
-        posts = post_points(program, comm.post_ahead)
+        posts = {k: tuple(js) for k, js in post_points(program, comm.post_ahead).items()}
+        ahead = frozenset(j for js in posts.values() for j in js)
         metered = meter_points(program, posts)
+        ends = batch_ends(program) if comm.batched else frozenset()
+        n = len(program)
         return Positions(
-            {k: tuple(js) for k, js in posts.items()},
-            frozenset(j for js in posts.values() for j in js),
-            batch_ends(program) if comm.batched else frozenset(),
+            posts,
+            ahead,
             metered,
             Sampling(metered, always_full=rt.device.type == "cuda"),
             tuple(rt.parameters()),
+            tuple(posts.get(k, ()) for k in range(n)),
+            tuple(k not in ahead for k in range(n)),
+            tuple(k in ends for k in range(n)),
+            tuple(i.op in ALLOCATES for i in program),
         )
 
 
@@ -181,12 +193,19 @@ def run_program(
     if rt.positions is None:
         rt.positions = Positions.of(rt)
     meter, pos = rt.meter, rt.positions
-    posts, ahead, ends, params = pos.posts, pos.ahead, pos.ends, pos.params
-    reads = pos.sampling.next_step(full)
+    params, reads = pos.params, pos.sampling.next_step(full)
+    posted_at, runs_at, ends_at, allocates_at = (
+        pos.posted_at,
+        pos.runs_at,
+        pos.ends_at,
+        pos.allocates_at,
+    )
+    run = [handlers[instr.op] for instr in program]
     n = len(program)
     begun, start, end = [0.0] * n, [0.0] * n, [0.0] * n
     live, real = [0] * n, [0] * n
     now, timer = time.perf_counter, clock.clock_for(rt.device, n)  # runtime/clock.py: CUDA
+    started, ended = timer.start, timer.end
     best, state, sample = -1, 0, 0
     comm.pop_waited()
     at_start = meter.model_state(params, rt.optimizer)  # no gradients yet: zeroed to None
@@ -194,24 +213,25 @@ def run_program(
     t_begin = timer.begin()
     for k, instr in enumerate(program):
         comm.clock += 1
-        for j in posts.get(k, ()):
-            t0 = timer.start(j)
+        for j in posted_at[k]:
+            t0 = started(j)
             watchdog.enter(j, t0)
-            handlers[program[j].op](rt, program[j])
-            if j in ends:
+            run[j](rt, program[j])
+            if ends_at[j]:
                 comm.flush()
-            begun[j], start[j], end[j] = t0, t0, timer.end(j)
-        if k not in ahead:
-            t0 = timer.start(k)
+            begun[j], start[j], end[j] = t0, t0, ended(j)
+        if runs_at[k]:
+            t0 = started(k)
             watchdog.enter(k, t0)
-            if instr.op in ALLOCATES and comm.in_flight:
+            if allocates_at[k] and comm.in_flight:
                 offload.settle(rt)
-            handlers[instr.op](rt, instr)
-            if k in ends:
+            run[k](rt, instr)
+            if ends_at[k]:
                 comm.flush()
-            t1 = timer.end(k)
+            t1 = ended(k)
             begun[k], start[k], end[k] = t0, t0 + comm.pop_waited(), t1
-        comm.poll()
+        if comm.in_flight:
+            comm.poll()
         live[k] = rt.live
         if reads[k]:
             sample = meter.read()

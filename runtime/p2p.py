@@ -148,6 +148,7 @@ class Comm:
         self._lanes: dict[int, queue.Queue[Send]] = {}  # gloo's: a sending thread per peer
         self._error: Exception | None = None  # a lane's failure, raised by the next call here
         self._lock = threading.Lock()  # a lane marking a send complete vs the poll
+        self.finished = self._swept = 0  # sends the lanes finished; of them, swept by poll
 
     def _tag(self, kind: Kind, stage: int, mb: int, i: int) -> int:
         if self.batched:
@@ -262,6 +263,7 @@ class Comm:
             finally:
                 with self._lock:  # the clock it reads is the poll's: none misses it
                     out.finish(self.clock)  # the buffers go now, not at the next poll
+                    self.finished += 1
                 lane.task_done()
 
     def _send_and_wait(self, out: Send) -> None:
@@ -289,8 +291,12 @@ class Comm:
                 issued = out.works or not out.wire  # a send in the open batch has no work yet
                 if out.completed_at is None and issued and all(w.is_completed() for w in out.works):
                     out.finish(self.clock)
-        if any(out.completed_at is not None for out in self.in_flight):
-            with self._lock:  # the lock only where a lane finished one: waiting for it costs
+            done = any(out.completed_at is not None for out in self.in_flight)
+        else:
+            done = self.finished != self._swept  # a lane finished one since the last sweep
+        if done:
+            with self._lock:
+                self._swept = self.finished
                 self.in_flight = [out for out in self.in_flight if out.completed_at is None]
 
     def complete(self, kinds: frozenset[Kind] | None = None) -> None:
