@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from pipec.build_dir import MEASURED
 from pipec.ir import Op, Program
+from runtime.optim import PendingStep
 
 if TYPE_CHECKING:
     from pipec.build_dir import Build
@@ -100,6 +101,8 @@ def batch_unit(spec: ModelSpec) -> tuple[str, int]:
 def last_step(rt: Rank) -> tuple[float, float]:
     """The learning rate of the optimizer step just taken and its gradient norm (nan: no step
     taken, e.g. under --check-grads' stand-in optimizer)."""
+    if isinstance(rt.last_step, PendingStep):  # its norm still being summed: wait for it
+        rt.last_step = rt.last_step.result()
     if rt.last_step is None:
         return math.nan, math.nan
     return rt.last_step.lr, rt.last_step.grad_norm

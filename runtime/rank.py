@@ -33,7 +33,7 @@ from runtime.transport import Transport
 
 if TYPE_CHECKING:
     from runtime.interpreter import Positions
-    from runtime.optim import StepNumbers
+    from runtime.optim import PendingStep, StepNumbers
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -100,7 +100,7 @@ class Rank:
     compute_dtype: torch.dtype | None = None  # bf16 training (runtime/precision.py)
     fp32_buffers: dict[str, Tensor] = field(default_factory=dict)  # saved in place of bf16 ones
     zero: bool = False  # ZeRO-1: the data-parallel sum is reduce-scattered at the step
-    last_step: StepNumbers | None = None  # the last optimizer step's figures (runtime/optim.py)
+    last_step: StepNumbers | PendingStep | None = None  # the last optimizer step's figures
 
     @property
     def layout(self):
