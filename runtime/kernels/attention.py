@@ -24,6 +24,7 @@ torch's FLOP formula counts): inside an op there is no autograd graph to differe
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -128,10 +129,24 @@ def _attention(
     q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None
 ) -> tuple[Tensor, Tensor]:
     """(output, log-sum-exp): the kernel's, or SDPA's output and an empty tensor."""
+    return _compute(q, k, v, is_causal, scale, flash.forward)
+
+
+def _compute(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    is_causal: bool,
+    scale: float | None,
+    kernel: Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]],
+) -> tuple[Tensor, Tensor]:
+    """(output, log-sum-exp): `kernel` where the Triton kernel is selected and takes these
+    inputs (the op calls the kernel's forward, `direct` its autograd function), else SDPA's
+    output and an empty tensor."""
     if _backend(q) == "triton":
         reason = flash.supports(q, k, v)
         if reason is None:
-            return flash.forward(q, k, v, is_causal, _scale(q, scale))
+            return kernel(q, k, v, is_causal, _scale(q, scale))
         _notice(reason)
     gqa = k.shape[1] != q.shape[1]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
@@ -259,14 +274,7 @@ def direct(
     backward of the tiny GPT's attention (2x4x32x16, fp32, one CPU thread) take 2.5x SDPA's
     own: two custom-op dispatches in Python, and SDPA's forward recomputed in the backward,
     since an op's backward sees only its inputs and outputs."""
-    if _backend(q) == "triton":
-        reason = flash.supports(q, k, v)
-        if reason is None:
-            return _Flash.apply(q, k, v, is_causal, _scale(q, scale))
-        _notice(reason)
-    gqa = k.shape[1] != q.shape[1]
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
-    return out, q.new_empty(0, dtype=torch.float32)
+    return _compute(q, k, v, is_causal, scale, _Flash.apply)
 
 
 def direct_attention(
