@@ -15,6 +15,7 @@ rank), so both ranks of a pair issue their collectives in one order.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Sequence
 from operator import itemgetter
 
@@ -134,7 +135,8 @@ def lower(schedule: Schedule, costs: CostModel, played: Played | None = None) ->
 
     On each rank a send follows its producer as closely as the global message order allows,
     and a receive is placed as late as possible: right before the first compute op that needs
-    it, or earlier only when a later message must wait behind it. `played` reuses a `play`
+    it, or earlier only when a later message must wait behind it (a send or sync follows it in
+    the global order). `played` reuses a `play`
     of the schedule under `costs`.
     """
     per_rank = messages(schedule, played or play(schedule.layout, schedule.orders, costs))
@@ -163,18 +165,31 @@ def _merge(order: Sequence[Instr], msgs: Sequence[Entry]) -> Program:
         first = bisect_right(computes, k)
         need[k] = max(need[j] for j in computes[first : first + 2])
     # Each message goes out as soon as it may: a send or sync once the compute op it follows
-    # is out, a receive once the next compute op needs it (or none is left).
+    # is out; a receive as late as it may: before the first compute op that needs it, or
+    # before the next send or sync in the global order, whichever comes first. Placed at its
+    # consumer instead, a receive would hold back every send after it in the order: the
+    # peer waiting on that send would wait for compute it does not depend on.
     out: list[Instr] = []
-    ci, n = 0, len(order)
+    pending: deque[tuple[int, Instr]] = deque()  # receives in message order, not yet placed
+    ci = 0
+
+    def place_until(stop: int) -> None:
+        """Emit compute ops up to `stop`, each after the pending receives it waits behind."""
+        nonlocal ci
+        while ci < stop:
+            while pending and pending[0][0] <= need[ci]:
+                out.append(pending.popleft()[1])
+            out.append(order[ci])
+            ci += 1
+
     for j, (_, kind, instr, node) in enumerate(msgs):
-        start = ci
         if kind == "recv":
-            while ci < n and need[ci] < j:
-                ci += 1
-        elif ci <= index[node]:
-            ci = index[node] + 1
-        if ci != start:
-            out += order[start:ci]
+            pending.append((j, instr))
+            continue
+        place_until(index[node] + 1)
+        out.extend(r for _, r in pending)
+        pending.clear()
         out.append(instr)
-    out += order[ci:]
+    place_until(len(order))
+    out.extend(r for _, r in pending)
     return tuple(out)
