@@ -74,9 +74,7 @@ class Send:
     `completed_at` is the sender's instruction clock (`Comm.clock`) when its completion was
     seen."""
 
-    __slots__ = (
-        "completed_at", "done", "dst", "key", "tensors", "wire", "works", "written",
-    )  # fmt: skip
+    __slots__ = ("completed_at", "dst", "key", "tensors", "wire", "works", "written")
 
     def __init__(
         self,
@@ -90,14 +88,12 @@ class Send:
         self.written = written  # staged on CUDA: the copy to host memory is done
         self.works: list = []
         self.completed_at: int | None = None
-        self.done = threading.Event()  # set by the lane that completed it
 
     def finish(self, clock: int) -> None:
         """Completed: let the buffers go."""
         self.tensors = self.wire = ()
         self.written = None
         self.completed_at = clock
-        self.done.set()
 
 
 class Posted:
@@ -145,9 +141,11 @@ class Comm:
         self.waited = 0.0  # seconds spent waiting since the interpreter last read it
         self.waiting_on: tuple[int, Kind, int, int] | None = None  # (src, key) of a blocked wait
         self._batch: list[tuple] = []  # the open batch: (op, tensor, peer, tag, works to fill)
-        self._lanes: dict[int, queue.Queue[Send]] = {}  # gloo's: a sending thread per peer
+        # gloo's: a sending thread per peer. A SimpleQueue and one condition for all sends (not
+        # a Queue and an Event per send): a send's Python cost is on the critical path.
+        self._lanes: dict[int, queue.SimpleQueue[Send]] = {}
         self._error: Exception | None = None  # a lane's failure, raised by the next call here
-        self._lock = threading.Lock()  # a lane marking a send complete vs the poll
+        self._lock = threading.Condition()  # a lane marking a send complete vs poll, complete
         self.finished = self._swept = 0  # sends the lanes finished; of them, swept by poll
 
     def _tag(self, kind: Kind, stage: int, mb: int, i: int) -> int:
@@ -243,16 +241,16 @@ class Comm:
         else:
             self._lane(dst).put(out)
 
-    def _lane(self, dst: int) -> queue.Queue[Send]:
+    def _lane(self, dst: int) -> queue.SimpleQueue[Send]:
         lane = self._lanes.get(dst)
         if lane is None:
-            lane = self._lanes[dst] = queue.Queue()
+            lane = self._lanes[dst] = queue.SimpleQueue()
             threading.Thread(
                 target=self._lane_loop, args=(lane,), name=f"pipec-send-{dst}", daemon=True
             ).start()
         return lane
 
-    def _lane_loop(self, lane: queue.Queue[Send]) -> None:
+    def _lane_loop(self, lane: queue.SimpleQueue[Send]) -> None:
         while True:
             out = lane.get()
             try:
@@ -264,7 +262,7 @@ class Comm:
                 with self._lock:  # the clock it reads is the poll's: none misses it
                     out.finish(self.clock)  # the buffers go now, not at the next poll
                     self.finished += 1
-                lane.task_done()
+                    self._lock.notify_all()  # a `complete` waiting for it
 
     def _send_and_wait(self, out: Send) -> None:
         # Its own frame: a work holds its tensor, and a loop variable outliving the wait
@@ -313,10 +311,15 @@ class Comm:
                     w.wait(self.timeout)
                 out.finish(self.clock)
             else:
-                out.done.wait()  # the lane sets it, also when its own wait times out
+                self.wait_finished(out)  # the lane finishes it, also when its own wait times out
         self.waiting_on = None
         self.waited += time.perf_counter() - t0
         self.poll()
+
+    def wait_finished(self, out: Send, timeout: float | None = None) -> bool:
+        """Wait until a lane has finished `out` (gloo); False if `timeout` seconds passed."""
+        with self._lock:
+            return self._lock.wait_for(lambda: out.completed_at is not None, timeout)
 
     def drain(self) -> None:
         """Wait for every send still in flight; a receive left posted is a program error."""

@@ -154,11 +154,11 @@ def test_a_lane_drops_its_buffers_the_moment_the_send_completes(works):
     comm = Comm(lambda r: r, n_stages=2, m=2, timeout=5.0)
     ref = sent(comm, Kind.STASH)
     out = comm.in_flight[0]
-    assert not out.done.wait(0.05) and not ref.expired()
+    assert not comm.wait_finished(out, 0.05) and not ref.expired()
     while not works.list:  # the lane issues it
         threading.Event().wait(0.001)
     works.list[0].event.set()
-    assert out.done.wait(5.0)
+    assert comm.wait_finished(out, 5.0)
     assert ref.expired() and out.completed_at == 0
     comm.poll()
     assert comm.in_flight == []
