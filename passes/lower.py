@@ -15,7 +15,6 @@ rank), so both ranks of a pair issue their collectives in one order.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import deque
 from collections.abc import Callable, Sequence
 from operator import itemgetter
 
@@ -165,31 +164,35 @@ def _merge(order: Sequence[Instr], msgs: Sequence[Entry]) -> Program:
         first = bisect_right(computes, k)
         need[k] = max(need[j] for j in computes[first : first + 2])
     # Each message goes out as soon as it may: a send or sync once the compute op it follows
-    # is out; a receive as late as it may: before the first compute op that needs it, or
-    # before the next send or sync in the global order, whichever comes first. Placed at its
-    # consumer instead, a receive would hold back every send after it in the order: the
+    # is out; a receive as late as it may: before the first compute op that waits behind it,
+    # or before the next send or sync in the global order, whichever comes first. Placed at
+    # its consumer instead, a receive would hold back every send after it in the order: the
     # peer waiting on that send would wait for compute it does not depend on.
+    # before[j]: how many compute ops precede message j (non-decreasing in j).
+    n, before = len(order), [0] * len(msgs)
+    last = 0
+    for j, (_, kind, _, node) in enumerate(msgs):
+        if kind != "recv":
+            last = before[j] = max(last, index[node] + 1)
+    first_wait, k, peak = [n] * len(msgs), 0, need[0] if order else -1
+    for j, entry in enumerate(msgs):  # the first compute op waiting behind message j or later
+        if entry[1] == "recv":
+            while peak < j and k + 1 < n:
+                k += 1
+                peak = max(peak, need[k])
+            if peak >= j:
+                first_wait[j] = k
+    bound = n
+    for j in range(len(msgs) - 1, -1, -1):
+        if msgs[j][1] == "recv":
+            before[j] = min(first_wait[j], bound)
+        bound = before[j]
     out: list[Instr] = []
-    pending: deque[tuple[int, Instr]] = deque()  # receives in message order, not yet placed
     ci = 0
-
-    def place_until(stop: int) -> None:
-        """Emit compute ops up to `stop`, each after the pending receives it waits behind."""
-        nonlocal ci
-        while ci < stop:
-            while pending and pending[0][0] <= need[ci]:
-                out.append(pending.popleft()[1])
-            out.append(order[ci])
-            ci += 1
-
-    for j, (_, kind, instr, node) in enumerate(msgs):
-        if kind == "recv":
-            pending.append((j, instr))
-            continue
-        place_until(index[node] + 1)
-        out.extend(r for _, r in pending)
-        pending.clear()
-        out.append(instr)
-    place_until(len(order))
-    out.extend(r for _, r in pending)
+    for j, entry in enumerate(msgs):
+        if before[j] > ci:
+            out += order[ci : before[j]]
+            ci = before[j]
+        out.append(entry[2])
+    out += order[ci:]
     return tuple(out)
