@@ -170,7 +170,7 @@ class Trainer:
         self.shard = -(-self.size // d)  # elements per copy; the last shard is padded
         self.start = lo = (rt.dp_index if options.zero else 0) * self.shard
         self._offset = {id(h.param): h.offset for h in self.held}
-        self._chunk_of = {id(h.param): h.chunk for h in self.held if h.counted}  # in the norm
+        chunk_of = {id(h.param): h.chunk for h in self.held if h.counted}  # in the norm
         self.slices: list[_Slice] = []
         for h in self.held:
             a, b = max(lo, h.offset), min(lo + self.shard, h.offset + h.param.numel())
@@ -180,6 +180,10 @@ class Trainer:
                 self.slices.append(_Slice(h.param, a - h.offset, b - h.offset, master))
         if bf16:  # after the masters took the fp32 values
             rt.to_bf16()
+        # Each slice's chunk in the norm (None: counted elsewhere), and those chunks as an index.
+        self._slice_chunks = [chunk_of.get(id(s.param)) for s in self.slices]
+        counted = [c for c in self._slice_chunks if c is not None]
+        self._counted_chunks = torch.tensor(counted, dtype=torch.long, device=rt.device)
         self.skipped = 0
         self.norm_group = _pipeline_group(rt) if not options.zero else None
         self.inner = _optimizer(options, self.slices)
@@ -249,12 +253,8 @@ class Trainer:
     def _shard_grads(self) -> list[Tensor | None]:
         """Each slice's fp32 gradient: a view of the parameter's, or (ZeRO) of this copy's
         shard of the reduce-scattered sum."""
-        if not self.options.zero:
-            out = []
-            for s in self.slices:
-                g = grad_of(s.param)
-                out.append(None if g is None else g.view(-1)[s.lo : s.hi])
-            return out
+        if not self.options.zero:  # every slice is a whole parameter
+            return [None if (g := grad_of(s.param)) is None else g.view(-1) for s in self.slices]
         rt = self.rt
         flat = torch.zeros(self.shard * rt.dp, dtype=torch.float32, device=rt.device)
         for h in self.held:
@@ -275,15 +275,16 @@ class Trainer:
         rt = self.rt
         n = rt.layout.n_chunks
         sums = torch.zeros(n + 1, dtype=torch.float64, device=rt.device)
-        chunks, counted = [], []
-        for s, g in zip(self.slices, grads):
-            chunk = self._chunk_of.get(id(s.param))
-            if g is not None and chunk is not None:
-                chunks.append(chunk)
-                counted.append(g)
+        counted = [g for g, c in zip(grads, self._slice_chunks) if g is not None and c is not None]
         if counted:  # one call for every norm: a loop of vector_norm was ~1 ms of a tiny GPT step
+            if len(counted) == len(self._counted_chunks):  # every counted slice has a gradient
+                chunks = self._counted_chunks
+            else:
+                found = zip(grads, self._slice_chunks)
+                chunks = [c for g, c in found if g is not None and c is not None]
+                chunks = torch.tensor(chunks, device=rt.device)
             norms = torch.stack(torch._foreach_norm(counted)).double()
-            sums.index_add_(0, torch.tensor(chunks, device=rt.device), norms * norms)
+            sums.index_add_(0, chunks, norms * norms)
         sums[n] = sum(not math.isfinite(v) for v in rt.losses.values())
         return sums
 
