@@ -1,12 +1,17 @@
 """Instruction clocks: when each instruction of a step ran, on the device that ran it.
 
-The interpreter asks its clock for a time when the step begins and when each instruction starts
-and ends, and hands the per-instruction times to `finish` at the end of the step:
+The interpreter reads the host's time (`time.perf_counter`) when each instruction starts and
+ends; a clock that `marks` also records each start and end (`start(k)`, `end(k)`). The clock
+gives the step's beginning and turns the host times into the instructions' times at its end:
 
     clock = clock_for(rt.device, len(program))
     t_begin = clock.begin()
-    t0 = clock.start(k); handler(...); t1 = clock.end(k)
+    t0 = perf_counter(); clock.start(k) if clock.marks; handler(...)
+    t1 = perf_counter(); clock.end(k) if clock.marks
     start, end = clock.finish(t_begin, start, end)
+
+(On CPU nothing is called between the host's readings: the loop's calls cost microseconds each
+with the caches the compute left cold.)
 
 On CPU a handler's work is done when it returns, so host time (`time.perf_counter`) is the
 truth and `HostClock` returns it unchanged. On CUDA a handler returns as soon as its kernels are
@@ -35,13 +40,9 @@ import torch
 class HostClock:
     """Host time: the clock of the CPU runtime, where a handler's return ends its work."""
 
+    marks = False
+
     def begin(self) -> float:
-        return time.perf_counter()
-
-    def start(self, k: int) -> float:
-        return time.perf_counter()
-
-    def end(self, k: int) -> float:
         return time.perf_counter()
 
     def finish(
@@ -77,13 +78,13 @@ class CudaClock:
         self.origin.record()
         return time.perf_counter()
 
-    def start(self, k: int) -> float:
-        self.starts[k].record()
-        return time.perf_counter()
+    marks = True
 
-    def end(self, k: int) -> float:
+    def start(self, k: int) -> None:
+        self.starts[k].record()
+
+    def end(self, k: int) -> None:
         self.ends[k].record()
-        return time.perf_counter()
 
     def finish(
         self, begin: float, start: Sequence[float], end: Sequence[float]

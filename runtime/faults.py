@@ -56,8 +56,9 @@ def report(message: str) -> None:
 class Watchdog:
     """Ends the process when one instruction runs longer than `timeout` or on SIGTERM.
 
-    The interpreter calls `enter(k, now)` before instruction k and `leave()` after the
-    program; `describe(k)` turns an index into 'rank 2: RECV_ACT s=2 mb=3 from=1 (...)'.
+    The interpreter sets `current = (k, now)` before instruction k (an attribute, not a call:
+    it is the loop's hot path) and calls `leave()` after the program; `describe(k)` turns an
+    index into 'rank 2: RECV_ACT s=2 mb=3 from=1 (...)'.
     """
 
     def __init__(self, timeout: float, describe: Callable[[int | None], str]) -> None:
@@ -73,10 +74,6 @@ class Watchdog:
         self._thread = threading.Thread(target=self._watch, name="pipec-watchdog", daemon=True)
         self._thread.start()
 
-    def enter(self, k: int, now: float) -> None:
-        self.current = (k, now)
-        self.last = k
-
     def where(self) -> str:
         """This rank and the instruction it is executing (or finished last, between steps)."""
         if self.current is not None:
@@ -86,6 +83,8 @@ class Watchdog:
         return f"{self.describe(self.last)} done, between steps"
 
     def leave(self) -> None:
+        if self.current is not None:
+            self.last = self.current[0]
         self.current = None
 
     def stop(self) -> None:

@@ -205,31 +205,43 @@ def run_program(
     begun, start, end = [0.0] * n, [0.0] * n, [0.0] * n
     live, real = [0] * n, [0] * n
     now, timer = time.perf_counter, clock.clock_for(rt.device, n)  # runtime/clock.py: CUDA
-    started, ended = timer.start, timer.end
+    marks = timer.marks
+    mark_start, mark_end = (timer.start, timer.end) if marks else (None, None)
     best, state, sample = -1, 0, 0
-    comm.pop_waited()
+    comm.waited = 0.0
     at_start = meter.model_state(params, rt.optimizer)  # no gradients yet: zeroed to None
     meter.start_step(at_start)
     t_begin = timer.begin()
     for k, instr in enumerate(program):
         comm.clock += 1
         for j in posted_at[k]:
-            t0 = started(j)
-            watchdog.enter(j, t0)
+            t0 = now()
+            if marks:
+                mark_start(j)
+            watchdog.current = (j, t0)
             run[j](rt, program[j])
             if ends_at[j]:
                 comm.flush()
-            begun[j], start[j], end[j] = t0, t0, ended(j)
+            begun[j], start[j], end[j] = t0, t0, now()
+            if marks:
+                mark_end(j)
         if runs_at[k]:
-            t0 = started(k)
-            watchdog.enter(k, t0)
+            t0 = now()
+            if marks:
+                mark_start(k)
+            watchdog.current = (k, t0)
             if allocates_at[k] and comm.in_flight:
                 offload.settle(rt)
             run[k](rt, instr)
             if ends_at[k]:
                 comm.flush()
-            t1 = ended(k)
-            begun[k], start[k], end[k] = t0, t0 + comm.pop_waited(), t1
+            t1 = now()
+            if marks:
+                mark_end(k)
+            waited = comm.waited  # what the handler waited for its inputs (Comm.take)
+            if waited:
+                comm.waited = 0.0
+            begun[k], start[k], end[k] = t0, t0 + waited, t1
         if comm.in_flight:
             comm.poll()
         live[k] = rt.live

@@ -331,10 +331,6 @@ class Comm:
                 f"mb={mb}"
             )
 
-    def pop_waited(self) -> float:
-        waited, self.waited = self.waited, 0.0
-        return waited
-
 
 def recv_act(rt: Rank, instr: Instr) -> None:
     """Post the receive of stage s's input activation, produced by the previous stage."""
