@@ -1,8 +1,7 @@
 """Real memory: the meter's peak bytes against the prediction, on 4 and 8 gloo ranks.
 
-Two launches of tests/runtime_harness.py (memory kind: two AdamW steps, the first step's
-gradients against the single-process reference, the real peak of the second (the first with
-optimizer state; the meter reads in full there, runtime/meter.py's `Sampling`), every send
+Two launches of tests/runtime_harness.py (memory kind: three AdamW steps, the first step's
+gradients against the single-process reference, the real peak of the later steps, every send
 watched): the tiny GPT at p=4 and the deep, narrow GPT (16 one-layer chunks) at p=8, each for
 1F1B, 1F1B --evict, V-Min, V-Half and ZB-H1. For every case and rank the real peak is within
 10% of the prediction (runtime/measure.py's `predicted_peaks`, CPU); gradients stay exact; no
@@ -32,7 +31,7 @@ from tests.runtime_launch import launch
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"tiny": (4, 8), "deep": (8, 16)}  # factory of examples/gpt.py: (p, m)
 CASES = ("1f1b", "1f1b-evict", "v-min", "v-half", "zb-h1")
-MEMORY = {"kind": "memory", "steps": 2, "lr": 1e-3}
+MEMORY = {"kind": "memory", "steps": 3, "lr": 1e-3}
 
 pytestmark = pytest.mark.slow
 
