@@ -135,8 +135,7 @@ def lower(schedule: Schedule, costs: CostModel, played: Played | None = None) ->
     On each rank a send follows its producer as closely as the global message order allows,
     and a receive is placed as late as possible: right before the first compute op that needs
     it, or earlier only when a later message must wait behind it (a send or sync follows it in
-    the global order). `played` reuses a `play`
-    of the schedule under `costs`.
+    the global order). `played` reuses a `play` of the schedule under `costs`.
     """
     per_rank = messages(schedule, played or play(schedule.layout, schedule.orders, costs))
     programs = tuple(
@@ -168,24 +167,25 @@ def _merge(order: Sequence[Instr], msgs: Sequence[Entry]) -> Program:
     # or before the next send or sync in the global order, whichever comes first. Placed at
     # its consumer instead, a receive would hold back every send after it in the order: the
     # peer waiting on that send would wait for compute it does not depend on.
-    # before[j]: how many compute ops precede message j (non-decreasing in j).
-    n, before = len(order), [0] * len(msgs)
-    last = 0
+    # before[j]: how many compute ops precede message j (non-decreasing in j). Forward: a send
+    # or sync after its compute op and every earlier send; a receive before the first compute
+    # op waiting behind it or a later message. Backward: a receive no later than the message
+    # after it.
+    n, before = len(order), [len(order)] * len(msgs)
+    last, k, peak = 0, 0, need[0] if order else -1
     for j, (_, kind, _, node) in enumerate(msgs):
         if kind != "recv":
             last = before[j] = max(last, index[node] + 1)
-    first_wait, k, peak = [n] * len(msgs), 0, need[0] if order else -1
-    for j, entry in enumerate(msgs):  # the first compute op waiting behind message j or later
-        if entry[1] == "recv":
-            while peak < j and k + 1 < n:
-                k += 1
-                peak = max(peak, need[k])
-            if peak >= j:
-                first_wait[j] = k
+            continue
+        while peak < j and k + 1 < n:
+            k += 1
+            peak = max(peak, need[k])
+        if peak >= j:
+            before[j] = k
     bound = n
     for j in range(len(msgs) - 1, -1, -1):
         if msgs[j][1] == "recv":
-            before[j] = min(first_wait[j], bound)
+            before[j] = min(before[j], bound)
         bound = before[j]
     out: list[Instr] = []
     ci = 0
