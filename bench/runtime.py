@@ -1,9 +1,9 @@
 """The runtime against the simulator: measured iteration time vs simulated, and where the gap is.
 
-For 2 and 4 ranks, compile the tiny GPT with costs profiled on this machine (one thread, as
-each rank runs) plus `comm` = gloo's measured one-way latency of one activation
+For 2 and 4 ranks, compile the tiny GPT with costs profiled on this machine (`--threads`, one
+by default, as each rank runs) plus `comm` = gloo's measured one-way latency of one activation
 (`bench/p2p_latency.py`, the sender computing after its isend, as a pipeline rank does); train
-it under torchrun (gloo, CPU, cores // ranks threads each) and compare the measured makespan
+it under torchrun (gloo, CPU, the same threads per rank) and compare the measured makespan
 (first compute start to last compute end, median over steps) with the simulated one. Then
 split the gap:
 - replay: the same programs simulated with the op durations *this run* measured (median per
@@ -16,6 +16,12 @@ split the gap:
 Runs alternate between the configurations (A B A B); medians are reported.
 
     PYTHONPATH=. python bench/runtime.py [--schedule 1f1b] [--steps 20] [--repeats 3] [--quick]
+                                         [--threads 1]
+
+One thread by default on every machine, as the 2-core hosts always ran: profile and run then
+time the same ops. The default was cores // ranks threads, profiled with one: on a 16-core
+machine that read measured / simulated 2.22 and measured / replay 1.58 at 4 ranks of 4 threads,
+every core taken before gloo's lanes and the loop had one (gpu.md).
 """
 
 from __future__ import annotations
@@ -46,18 +52,14 @@ MODEL = f"{ROOT}/examples/gpt.py:tiny"
 CORES = os.cpu_count() or 1
 
 
-def threads(p: int) -> int:
-    return max(1, CORES // p)
-
-
 def latency_ms(nbytes: int, out: Path) -> dict:
     cmd, env = torchrun(ROOT / "bench/p2p_latency.py", 2, str(nbytes), str(out))
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
     return json.loads(out.read_text())
 
 
-def run(build: Path, world: int, steps: int) -> dict:
-    args = ("--steps", str(steps), "--threads", str(threads(world)))
+def run(build: Path, world: int, steps: int, threads: int) -> dict:
+    args = ("--steps", str(steps), "--threads", str(threads))
     cmd, env = torchrun(build / "launch.py", world, *args)
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
     stats = json.loads((build / "measured/stats.json").read_text())
@@ -94,9 +96,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="10 steps, 2 repeats")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     args = ap.parse_args()
     steps, repeats = (10, 2) if args.quick else (args.steps, args.repeats)
-    torch.set_num_threads(1)  # profile as each rank will run: one thread
+    torch.set_num_threads(args.threads)  # profile as each rank will run
     tmp = Path(tempfile.mkdtemp(prefix="pipec-bench-"))
     probe = tmp / "probe"
     emit(compile_model(MODEL, args.schedule, 2, args.microbatches), probe)
@@ -110,7 +113,7 @@ def main() -> None:
     runs: dict[int, list[dict]] = {p: [] for p in builds}
     for _ in range(repeats):
         for p, build in builds.items():  # A B A B: both see the same machine load
-            runs[p].append(run(build, p, steps))
+            runs[p].append(run(build, p, steps, args.threads))
     print(
         f"\ntiny GPT, {args.schedule}, m={args.microbatches}, {steps} steps x {repeats} runs per "
         f"row (median), {CORES} cores, gloo; one activation ({lat['bytes']} B) arrives "
@@ -134,7 +137,7 @@ def main() -> None:
             r["overhead_us_per_instruction"] for s in stats for r in s["ranks"]
         )
         print(
-            f"| {p} | {threads(p)} | {sim['makespan_ms']:.1f} | {med['makespan_ms']:.1f} "
+            f"| {p} | {args.threads} | {sim['makespan_ms']:.1f} | {med['makespan_ms']:.1f} "
             f"({min(spread):.1f}-{max(spread):.1f}) | "
             f"{med['makespan_ms'] / sim['makespan_ms']:.2f} "
             f"| {rep:.1f} | {med['makespan_ms'] / rep:.2f} | {bound:.1f} | "

@@ -192,7 +192,8 @@ def watch_comm(comm: Comm) -> dict[str, list[int]]:
 
 def run_case(case: dict, watchdog: Watchdog) -> dict:
     build = load(Path(case["build"]))
-    device = torch.device(case.get("device", "cpu"))  # "cuda": every rank shares GPU 0
+    # "cuda": every rank shares GPU 0, named with its index (set_device refuses a bare "cuda")
+    device = torch.device("cuda", 0) if case.get("device") == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rt = Rank.prepare(build, dist.get_rank(), dist.get_world_size(), device)

@@ -285,14 +285,20 @@ def direct_attention(
     return direct(q, k, v, is_causal, scale)[0]
 
 
+def _broadcast_heads(kv: torch.Size, q: torch.Size) -> torch.Size:
+    """k's or v's shape with q's head count: GQA's k/v heads counted as broadcast to every q
+    head, which torch's SDPA formulas assume before torch 2.13 (they refuse h_kv < h_q)."""
+    return torch.Size((kv[0], q[1], *kv[2:]))
+
+
 @register_flop_formula(torch.ops.pipec.attention)
 def _attention_flops(q, k, v, *args, **kwargs) -> int:  # type: ignore[no-untyped-def]
-    return sdpa_flop_count(q, k, v)
+    return sdpa_flop_count(q, _broadcast_heads(k, q), _broadcast_heads(v, q))
 
 
 @register_flop_formula(torch.ops.pipec.attention_backward)
 def _attention_backward_flops(do, q, k, v, *args, **kwargs) -> int:  # type: ignore[no-untyped-def]
-    return sdpa_backward_flop_count(do, q, k, v)
+    return sdpa_backward_flop_count(do, q, _broadcast_heads(k, q), _broadcast_heads(v, q))
 
 
 def attention(
