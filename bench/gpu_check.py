@@ -19,7 +19,16 @@ skipped and the exit code is 0; with CUDA it is 1 when a step failed.
 
     PYTHONPATH=$PWD python bench/gpu_check.py [--only kernel-speed,plan-4] [--list]
 
-The device tool runs one command for at most 10 minutes: run the steps in groups with --only.
+The device tool runs one command for at most 10 minutes, and a session has 15 minutes of device
+time, machine start included: `--quick` trims the slow steps (seq 4k only for the kernel's
+speed, two schedules of 8 steps for the pipeline, 1F1B and V-Half for memory, `--quick` runs of
+bench/runtime.py), and two commands of it fit a session (timed on an H100, 2026-11-27):
+
+    make gpu-check ARGS="--quick --only kernel-tests,runtime-cuda,kernel-speed"
+    make gpu-check ARGS="--quick --only pipeline-cuda,cuda-memory,runtime-4,plan-4"
+
+Every step is stopped after --step-limit seconds (default 540) and reported as timed out, so
+that one hung step cannot spend the rest of the session.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +62,7 @@ class Step:
     figures: str
     env: dict[str, str] = field(default_factory=dict)
     script: str | None = None  # the file the step needs; missing: skipped
+    quick: tuple[str, ...] = ()  # arguments added by --quick
 
     def missing(self) -> str | None:
         if self.script and not (ROOT / self.script).is_file():
@@ -80,6 +91,7 @@ def steps(out: Path) -> list[Step]:
             (py, "bench/attention.py", "--json", str(out / "attention.json")),
             r"^goal|^last autotuned",
             script="bench/attention.py",
+            quick=("--seqs", "4096"),  # the goal's row; 83 s on the H100 with autotuning
         ),
         Step(
             "runtime-cuda",
@@ -94,6 +106,7 @@ def steps(out: Path) -> list[Step]:
             (py, "bench/gpu_pipeline.py"),
             r" measured .* simulated ",
             script="bench/gpu_pipeline.py",
+            quick=("--schedules", "1f1b,zb-v", "--steps", "8"),  # ~25 s a launch, two each
         ),
         Step(
             "cuda-memory",
@@ -101,6 +114,7 @@ def steps(out: Path) -> list[Step]:
             (py, "bench/cuda_memory.py"),
             r"rank \d+: real peak|^real/predicted",
             script="bench/cuda_memory.py",
+            quick=("--schedules", "1f1b,v-half"),
         ),
         Step(
             "runtime-4",
@@ -109,6 +123,7 @@ def steps(out: Path) -> list[Step]:
             r"^\| (ranks|4) \|",
             CPU_ONLY,
             script="bench/runtime.py",
+            quick=("--quick",),
         ),
         Step(
             "plan-4",
@@ -121,20 +136,34 @@ def steps(out: Path) -> list[Step]:
     ]
 
 
-def run(step: Step) -> tuple[str, list[str]]:
-    """(outcome, figure lines) of one step, its output echoed as it comes."""
+def run(step: Step, quick: bool = False, limit_s: float = 540.0) -> tuple[str, list[str]]:
+    """(outcome, figure lines) of one step, its output echoed as it comes; stopped after
+    `limit_s` seconds."""
     env = {**os.environ, **step.env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    print(f"\n=== {step.name}: {step.what}\n$ {' '.join(step.argv)}", flush=True)
+    argv = step.argv + step.quick if quick else step.argv
+    print(f"\n=== {step.name}: {step.what}\n$ {' '.join(argv)}", flush=True)
     t0 = time.perf_counter()
     with subprocess.Popen(
-        step.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        argv,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the limit stops the step's torchrun and its ranks too
     ) as proc:
+        stop = threading.Timer(limit_s, os.killpg, (proc.pid, 9))
+        stop.start()
         lines = []
         for line in proc.stdout or ():
             print(line, end="", flush=True)
             lines.append(line.rstrip("\n"))
+        proc.wait()
+        stop.cancel()
     took = f"{time.perf_counter() - t0:.0f} s"
     figures = [line for line in lines if re.search(step.figures, line)]
+    if time.perf_counter() - t0 >= limit_s and proc.returncode < 0:
+        return f"FAILED (stopped at its limit, {limit_s:.0f} s)", figures
     if proc.returncode == NO_TESTS and step.argv[1:3] == ("-m", "pytest"):
         return f"skipped: no test selected yet ({took})", figures
     return (
@@ -155,7 +184,7 @@ def kernel_figures(path: Path) -> list[str]:
     ]
 
 
-def check(chosen: list[Step], out: Path) -> int:
+def check(chosen: list[Step], out: Path, quick: bool = False, limit_s: float = 540.0) -> int:
     """Run the steps (all skipped without CUDA) and print the summary; the exit code."""
     import torch
 
@@ -171,7 +200,7 @@ def check(chosen: list[Step], out: Path) -> int:
         if s.missing():
             summary.append((s, f"skipped: {s.missing()}", []))
             continue
-        outcome, figures = run(s)
+        outcome, figures = run(s, quick, limit_s)
         if s.name == "kernel-speed":
             figures = kernel_figures(out / "attention.json") + figures
         summary.append((s, outcome, figures))
@@ -187,6 +216,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma-separated step names (default: all)")
     ap.add_argument("--list", action="store_true", help="print the steps and exit")
+    ap.add_argument("--quick", action="store_true", help="the trimmed steps (see above)")
+    ap.add_argument("--step-limit", type=float, default=540.0, help="seconds a step may run")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         every = steps(Path(tmp))
@@ -201,9 +232,10 @@ def main() -> int:
         chosen = [s for s in every if not only or s.name in only]
         if args.list:
             for s in chosen:
-                print(f"{s.name:<14} {s.what}\n{'':<14} $ {' '.join(s.argv)}")
+                argv = s.argv + s.quick if args.quick else s.argv
+                print(f"{s.name:<14} {s.what}\n{'':<14} $ {' '.join(argv)}")
             return 0
-        return check(chosen, Path(tmp))
+        return check(chosen, Path(tmp), args.quick, args.step_limit)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,46 @@ def test_a_step_reports_its_exit_code_and_its_figure_lines(capsys):
     assert "warming up" in capsys.readouterr().out  # the output streams through
     outcome, _ = gpu_check.run(step("import sys; print('ratio 2'); sys.exit(3)", "ratio"))
     assert outcome.startswith("FAILED (exit 3)")
+
+
+def test_a_step_past_its_limit_is_stopped_with_its_children_and_fails(tmp_path):
+    """A hung step (here a child process sleeping) cannot spend the GPU session: the whole
+    process group is stopped at the limit and the step reported as failed."""
+    pid_file = tmp_path / "child.pid"
+    child = tmp_path / "child.py"
+    child.write_text(
+        f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
+    )
+    code = (
+        "import subprocess, sys; print('ratio 1', flush=True); "
+        f"subprocess.run([sys.executable, {str(child)!r}])"
+    )
+    outcome, figures = gpu_check.run(step(code, "ratio"), limit_s=3)
+    assert outcome == "FAILED (stopped at its limit, 3 s)" and figures == ["ratio 1"]
+    stat = Path(f"/proc/{pid_file.read_text()}/stat")
+    for _ in range(100):  # SIGKILL lands at once; the state changes a moment later
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break  # gone, or a zombie: dead, its parent not yet reaped
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the step's child ({stat}) outlived the step")
+
+
+def test_quick_adds_each_steps_own_arguments(capsys):
+    by_name = {s.name: s for s in gpu_check.steps(ROOT)}
+    assert by_name["kernel-speed"].quick == ("--seqs", "4096")
+    assert by_name["runtime-4"].quick == ("--quick",)
+    outcome, _ = gpu_check.run(
+        gpu_check.Step(
+            "t",
+            "echo",
+            (sys.executable, "-c", "import sys; print(sys.argv)"),
+            "x",
+            quick=("--fast",),
+        ),
+        quick=True,
+    )
+    assert outcome.startswith("ok") and "'--fast'" in capsys.readouterr().out
 
 
 def test_an_empty_pytest_selection_is_a_skip_not_a_failure(tmp_path):
