@@ -37,6 +37,7 @@ from runtime.main import train, write_measurements
 from runtime.p2p import Comm, Kind
 from runtime.rank import Rank
 from runtime.transport import Transport
+from tests.capture_reuse import reuse_captures
 
 TIMEOUT_S = 60.0
 CPU = torch.device("cpu")
@@ -238,6 +239,7 @@ def serve(run: Callable[[dict, Watchdog], dict]) -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     torch.set_num_threads(1)
+    reuse_captures()  # one capture per model, not per case (tests/capture_reuse.py)
     dist.init_process_group("gloo")
     watchdog = Watchdog(TIMEOUT_S, lambda k: f"rank {dist.get_rank()}")
     results = {}

@@ -1,0 +1,69 @@
+"""Capture each model once per rank process, not once per case (tests only).
+
+A rank of tests/runtime_harness.py prepares dozens of builds of the same few models, and each
+`Rank.prepare` captures its model again: torch.export of the tiny GPT takes ~1.5 s of a core,
+~70% of a 4-rank harness launch on 2 cores. `reuse_captures()` keeps the first capture of each
+(spec, seed, capture, device, micro-batch size) and answers later ones with the same graph over
+the parameters of a freshly built factory model: the same values (same seed), new tensors, so
+cases never share parameters (nor BitPipe's two replicas theirs). A graph that differed, or a
+parameter bound wrong, would fail the harness's own checks against the single-process
+reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from torch import fx
+
+from pipec.frontend import plan as frontend
+from pipec.frontend.spec import load_factory
+
+
+def _target(root: object, target: str) -> object:
+    for part in target.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def _rebound(first: frontend._Traced, ms: object) -> frontend._Traced:
+    """`first`'s graph over `ms.model`'s parameters, buffers and modules (constants the model
+    does not hold, such as export's lifted ones, are read-only and come from `first`)."""
+    attrs = {}
+    for node in first.gm.graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            target = str(node.target)
+            try:
+                attrs[target] = _target(ms.model, target)
+            except AttributeError:
+                attrs[target] = _target(first.gm, target)
+    gm = fx.GraphModule(attrs, first.gm.graph, type(first.gm).__name__)
+    return replace(first, spec=ms, gm=gm)
+
+
+def reusing(capture: Callable[..., frontend._Traced]) -> Callable[..., frontend._Traced]:
+    """`capture` (pipec.frontend.plan._trace), answering a repeated call from the first."""
+    firsts: dict[tuple, frontend._Traced] = {}
+
+    def traced(spec, seed, capture_mode=None, device=None, micro_batch_size=None, fits=None):  # type: ignore[no-untyped-def]
+        if not isinstance(spec, str):
+            return capture(spec, seed, capture_mode, device, micro_batch_size, fits)
+        key = (spec, seed, capture_mode, str(device), micro_batch_size, fits)
+        first = firsts.get(key)
+        if first is None:
+            firsts[key] = first = capture(spec, seed, capture_mode, device, micro_batch_size, fits)
+            return first
+        ms = load_factory(spec, seed, micro_batch_size)
+        if device is not None:
+            from pipec.frontend.profile import on_device
+
+            ms = on_device(ms, str(device))
+        return _rebound(first, ms)
+
+    return traced
+
+
+def reuse_captures() -> None:
+    """From now on, this process captures each model once (a rank of the harness)."""
+    frontend._trace = reusing(frontend._trace)
