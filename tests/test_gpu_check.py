@@ -72,18 +72,28 @@ def test_a_step_past_its_limit_is_stopped_with_its_children_and_fails(tmp_path):
         f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
     )
     code = (
-        "import subprocess, sys; print('ratio 1', flush=True); "
-        f"subprocess.run([sys.executable, {str(child)!r}])"
+        "import os, subprocess, sys, time\n"
+        f"proc = subprocess.Popen([sys.executable, {str(child)!r}])\n"
+        f"while not os.path.exists({str(pid_file)!r}): time.sleep(0.05)\n"
+        "print('ratio 1', flush=True)\nproc.wait()\n"
     )
-    outcome, figures = gpu_check.run(step(code, "ratio"), limit_s=3)
-    assert outcome == "FAILED (stopped at its limit, 3 s)" and figures == ["ratio 1"]
-    stat = Path(f"/proc/{pid_file.read_text()}/stat")
+    outcome, figures = gpu_check.run(step(code, "ratio"), limit_s=6)
+    assert outcome == "FAILED (stopped at its limit, 6 s)" and figures == ["ratio 1"]
+    pid = int(pid_file.read_text())
     for _ in range(100):  # SIGKILL lands at once; the state changes a moment later
-        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
-            break  # gone, or a zombie: dead, its parent not yet reaped
+        if dead(pid):
+            break
         time.sleep(0.1)
     else:
-        pytest.fail(f"the step's child ({stat}) outlived the step")
+        pytest.fail(f"the step's child {pid} outlived the step")
+
+
+def dead(pid: int) -> bool:
+    """Gone, or a zombie (killed, its parent not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def test_quick_adds_each_steps_own_arguments(capsys):
