@@ -19,12 +19,7 @@ from torch import fx
 
 from pipec.frontend import plan as frontend
 from pipec.frontend.spec import load_factory
-
-
-def _target(root: object, target: str) -> object:
-    for part in target.split("."):
-        root = getattr(root, part)
-    return root
+from pipec.frontend.stages import _attr  # a dotted attribute, as split reads it
 
 
 def _rebound(first: frontend._Traced, ms: object) -> frontend._Traced:
@@ -35,9 +30,9 @@ def _rebound(first: frontend._Traced, ms: object) -> frontend._Traced:
         if node.op in ("get_attr", "call_module"):
             target = str(node.target)
             try:
-                attrs[target] = _target(ms.model, target)
+                attrs[target] = _attr(ms.model, target)
             except AttributeError:
-                attrs[target] = _target(first.gm, target)
+                attrs[target] = _attr(first.gm, target)
     gm = fx.GraphModule(attrs, first.gm.graph, type(first.gm).__name__)
     return replace(first, spec=ms, gm=gm)
 
