@@ -34,15 +34,18 @@ sys.path.insert(0, str(ROOT))
 
 from pipec.build_dir import Build, load
 from pipec.frontend import build_stages
+from pipec.ir import Op
 from pipec.torch_orders import SINGLE_STAGE
 from runtime.data import micro_batch
 from runtime.faults import Watchdog
-from runtime.interpreter import HANDLERS, run_program
+from runtime.interpreter import HANDLERS, StepTrace, run_program
 from runtime.rank import Rank
 from runtime.stash import storage_key
 
 LR = 1e-3
 TIMEOUT_S = 120.0
+#: The ops that compute (the optimizer step included: torch's iteration has its own).
+COMPUTE = frozenset({Op.F, Op.B, Op.BW, Op.W, Op.RECOMPUTE, Op.OPTIMIZER_STEP})
 
 
 class SavedBytes:
@@ -138,8 +141,15 @@ def _timed(step: Callable[[], None]) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+def busy_s(rt: Rank, trace: StepTrace) -> float:
+    """The rank's own compute in a step: its compute ops from their start (their inputs
+    there) to their end."""
+    return sum(e - s for i, s, e in zip(rt.program, trace.start, trace.end) if i.op in COMPUTE)
+
+
 def _across_ranks(wall: list[float], cpu: list[float]) -> list[float]:
-    """The slowest rank's wall times, then the CPU times summed over ranks."""
+    """The slowest rank's wall times (and the busiest rank's compute), then the CPU times
+    summed over ranks."""
     t = torch.tensor(wall, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     c = torch.tensor(cpu, dtype=torch.float64)
@@ -155,22 +165,25 @@ def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int) -> dic
     watchdog = Watchdog(TIMEOUT_S, rt.describe)
     peer = TorchRun(load(Path(case["torch_build"])), rt, case["torch"])
 
+    traces: list[StepTrace] = []
+
     def pipec_step() -> None:
-        run_program(rt, HANDLERS, watchdog)
+        traces.append(run_program(rt, HANDLERS, watchdog))
 
     first_loss = [0.0, 0.0]
     for k in range(warmup):
         pipec_step()
         peer.step(metered=True)
         if k == 0:  # both start from the same weights: the first step's loss must agree
-            first_loss = [sum(rt.losses.values()) / max(len(rt.losses), 1), peer.loss()]
+            first_loss = [rt.loss_sums()[0].item() / max(len(rt.losses), 1), peer.loss()]
         rt.losses.clear()
-    times: list[list[float]] = []  # per pair: wall pipec, wall torch, CPU pipec, CPU torch
+    # per pair: wall pipec, wall torch, busiest rank's compute in pipec's, CPU pipec, CPU torch
+    times: list[list[float]] = []
     for _ in range(pairs):
         a, a_cpu = _timed(pipec_step)
         rt.losses.clear()
         b, b_cpu = _timed(lambda: peer.step(metered=False))
-        times.append(_across_ranks([a, b], [a_cpu, b_cpu]))
+        times.append(_across_ranks([a, b, busy_s(rt, traces[-1])], [a_cpu, b_cpu]))
     watchdog.stop()
     losses = torch.tensor(first_loss, dtype=torch.float64)
     dist.all_reduce(losses)  # one rank holds the last stage's losses (V: rank 0)
@@ -183,8 +196,9 @@ def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int) -> dic
         **case,
         "pipec_ms": [t[0] * 1e3 for t in times],
         "torch_ms": [t[1] * 1e3 for t in times],
-        "pipec_cpu_ms": [t[2] * 1e3 for t in times],
-        "torch_cpu_ms": [t[3] * 1e3 for t in times],
+        "pipec_busy_ms": [t[2] * 1e3 for t in times],
+        "pipec_cpu_ms": [t[3] * 1e3 for t in times],
+        "torch_cpu_ms": [t[4] * 1e3 for t in times],
         "first_loss": losses.tolist(),
         "pipec_peak_bytes": peaks[0].tolist(),
         "torch_peak_bytes": peaks[1].tolist(),

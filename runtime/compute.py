@@ -48,7 +48,7 @@ def _run(rt: Rank, stage: int, mb: int, inputs: tuple[Tensor, ...], record: bool
         return (out,) if isinstance(out, Tensor) else tuple(out)
     loss = rt.spec.loss_fn(out, rt.batch(mb)[1])
     if record:
-        rt.losses[mb] = loss.item()
+        rt.losses[mb] = loss.detach()
     return (loss * rt.loss_scale,)
 
 

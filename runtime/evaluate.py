@@ -39,7 +39,7 @@ def forward(rt: Rank, instr: Instr) -> None:
     inputs = rt.batch(mb)[0] if prev is None else incoming(rt, p2p.Kind.ACT, prev, mb)
     out = rt.modules[s](*inputs)
     if nxt is None:
-        rt.losses[mb] = rt.spec.loss_fn(out, rt.batch(mb)[1]).item()
+        rt.losses[mb] = rt.spec.loss_fn(out, rt.batch(mb)[1])
     else:
         outgoing(rt, p2p.Kind.ACT, s, mb, nxt, (out,) if isinstance(out, Tensor) else tuple(out))
 
@@ -56,7 +56,7 @@ def evaluate(rt: Rank, batches: int, watchdog: Watchdog) -> float:
     every rank calls it at the same point and gets the same value."""
     saved = rt.program, rt.positions, rt.data, rt.batch_cache, rt.losses, watchdog.describe
     modes = {s: m.training for s, m in rt.modules.items()}
-    total, count = 0.0, 0
+    total, count = torch.zeros((), dtype=torch.float64, device=rt.device), 0
     try:
         rt.program, rt.positions = rt.build.eval_programs[rt.rank], None  # its own positions
         rt.data = Stream(rt.spec, rt.layout.m * rt.dp, 0, "eval_data")
@@ -70,14 +70,14 @@ def evaluate(rt: Rank, batches: int, watchdog: Watchdog) -> float:
                 rt.new_step(rt.step)  # the training step's number: no optimizer step here
                 run_program(rt, HANDLERS, watchdog)
                 rt.comm.complete()  # no optimizer step drains the sends
-                total += sum(rt.losses.values())
+                total += rt.loss_sums()[0]
                 count += len(rt.losses)
                 rt.losses.clear()
     finally:
         rt.program, rt.positions, rt.data, rt.batch_cache, rt.losses, watchdog.describe = saved
         for s, module in rt.modules.items():
             module.train(modes[s])
-    sums = torch.tensor([total, count], dtype=torch.float64, device=rt.device)
+    sums = torch.stack((total, torch.tensor(float(count), dtype=torch.float64, device=rt.device)))
     dist.all_reduce(sums)
     loss_sum, n = sums.tolist()
     return loss_sum / n

@@ -501,6 +501,8 @@ def training_line(args: argparse.Namespace) -> str:
         every = f"every {args.save_every} steps and " if args.save_every else ""
         saving = f"; checkpoints to {args.save} {every}at the end"
     name = {"adamw": "AdamW", "sgd": "SGD"}.get(args.optimizer, args.optimizer)
+    if args.optimizer_impl != "foreach":
+        name += f" ({args.optimizer_impl})"
     return f"training to step {args.steps}: {name} lr {args.lr:g}, seed {args.seed}{saving}"
 
 

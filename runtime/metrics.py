@@ -114,12 +114,12 @@ def gather_step(
     """Start gathering this rank's figures of the step (ROW) from every rank (asynchronous);
     `stopping`: this rank was asked to stop (a signal) and will stop after this step."""
     lr, grad_norm = last_step(rt)
-    loss_sum = sum(rt.losses.values())
     row = torch.tensor(
-        [loss_sum, len(rt.losses), trace.wall_s, trace.real_peak, lr, grad_norm, stopping],
+        [0.0, len(rt.losses), trace.wall_s, trace.real_peak, lr, grad_norm, stopping],
         dtype=torch.float64,
         device=rt.device,
     )
+    row[0] = rt.loss_sums()[0]  # on the device: no wait for the GPU here
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
     return rows, dist.all_gather(rows, row, async_op=True)
 

@@ -47,6 +47,12 @@ if TYPE_CHECKING:
     from runtime.rank import Rank
 
 OPTIMIZERS = ("adamw", "sgd")
+#: torch.optim's implementations of a step. foreach: one multi-tensor call per operation, the
+#: numbers of torch's default step bit for bit (on CUDA it is the default; on CPU, whose
+#: default is a loop over the parameters, the same numbers in 0.78x the time for the tiny GPT).
+#: fused: one kernel for the whole update (torchtitan's default), 3-4x faster on CPU, rounding
+#: differently (~1e-7 after 200 steps).
+IMPLEMENTATIONS = ("foreach", "fused")
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,7 @@ class TrainOptions:
 
     schedule: Schedule
     optimizer: str = "adamw"
+    implementation: str = "foreach"  # one of IMPLEMENTATIONS
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
@@ -286,7 +293,7 @@ class Trainer:
             )
             norms = torch.stack(torch._foreach_norm([g for g, _ in found])).double()
             sums.index_add_(0, chunks, norms * norms)
-        sums[n] = sum(not math.isfinite(v) for v in rt.losses.values())
+        sums[n] = rt.loss_sums()[1]
         return sums
 
     def judge(self, values: list[float]) -> tuple[float, str | None]:
@@ -335,9 +342,10 @@ def _optimizer(options: TrainOptions, slices: list[_Slice]) -> torch.optim.Optim
         {"params": rest, "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    how = {options.implementation: True}
     if options.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr)
-    return torch.optim.AdamW(groups, lr=lr, betas=options.betas, eps=options.eps)
+        return torch.optim.SGD(groups, lr=lr, **how)
+    return torch.optim.AdamW(groups, lr=lr, betas=options.betas, eps=options.eps, **how)
 
 
 def _pipeline_group(rt: Rank) -> object | None:

@@ -88,7 +88,7 @@ class Rank:
     held: dict[tuple[int, int], int] = field(default_factory=dict)  # W-pending and accepted bytes
     reductions: list[tuple[object, Tensor, list[nn.Parameter]]] = field(default_factory=list)
     synced: set[int] = field(default_factory=set)
-    losses: dict[int, float] = field(default_factory=dict)
+    losses: dict[int, Tensor] = field(default_factory=dict)  # per micro-batch; see loss_sums
     batch_cache: dict[int, MicroBatch] = field(default_factory=dict)  # this step's; see batch
     stash_sizes: dict[tuple[int, int], int] = field(default_factory=dict)  # measured once
     live: int = 0
@@ -129,6 +129,16 @@ class Rank:
     def loss_scale(self) -> float:
         """Each micro-batch's loss weighs 1/(m·D): gradients are the global batch's mean."""
         return 1.0 / (self.layout.m * self.dp)
+
+    def loss_sums(self) -> Tensor:
+        """The step's recorded losses summed and how many are not finite, one float64 pair on
+        the device. The losses stay there until the step's figures are read: an `.item()` per
+        micro-batch made the host wait for the GPU after every last-stage F, so it could not
+        queue the next instruction's kernels while that F ran."""
+        if not self.losses:
+            return torch.zeros(2, dtype=torch.float64, device=self.device)
+        values = torch.stack(list(self.losses.values())).double()
+        return torch.stack((values.sum(), values.isfinite().logical_not().sum().double()))
 
     def describe(self, k: int | None) -> str:
         """'rank 2: F s=2 mb=3 (rank_002.pipe:17)', for fault messages."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from runtime.lr import DECAYS, Schedule
-from runtime.optim import OPTIMIZERS, TrainOptions
+from runtime.optim import IMPLEMENTATIONS, OPTIMIZERS, TrainOptions
 from runtime.precision import PRECISIONS
 
 
@@ -50,6 +50,13 @@ def add_training_options(ap: argparse.ArgumentParser) -> None:
         help="wsd: the last fraction of the steps that decay (default 0.2)",
     )
     ap.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="(default adamw)")
+    ap.add_argument(
+        "--optimizer-impl",
+        choices=IMPLEMENTATIONS,
+        default="foreach",
+        help="foreach: torch's default step's numbers; fused: one kernel, faster, rounds "
+        "differently (default foreach)",
+    )
     ap.add_argument(
         "--betas", type=_betas, default=(0.9, 0.999), help="AdamW's, as 0.9,0.95 (0.9,0.999)"
     )
@@ -102,6 +109,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
     return TrainOptions(
         schedule,
         args.optimizer,
+        args.optimizer_impl,
         args.betas,
         args.eps,
         args.weight_decay,

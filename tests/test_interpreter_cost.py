@@ -9,17 +9,23 @@ batched one) with handlers that do nothing, so every call counted is the loop's.
 
 import gc
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from pipec.build_dir import emit, load
 from pipec.compile import compile_schedule
 from pipec.ir import Op
+from pipec.model import compile_model
+from runtime.faults import Watchdog
 from runtime.interpreter import HANDLERS, QUIET, run_program
 from runtime.meter import FULL_EVERY, Meter
 from runtime.p2p import Comm
+from runtime.rank import Rank
 from runtime.transport import Transport
 
 #: Python-level calls (functions and builtins) per instruction, the handler's own included.
@@ -28,6 +34,7 @@ from runtime.transport import Transport
 #: read the meter after every instruction and worked out its positions every step.
 CALLS_PER_INSTRUCTION = 7
 STEPS = 3
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class CountingMeter(Meter):
@@ -166,3 +173,44 @@ def test_between_full_steps_the_meter_reads_where_they_peaked(programs):
     assert first_peak >= 2 * (1 << 18)  # p=2 warm-up forwards of rank 0, each 256 KiB
     for t in traces[2:]:
         assert abs(t.real_peak - first_peak) <= 16 << 10, "a sparse step missed the peak"
+
+
+def host_reads_per_step(tmp_path, m: int) -> int:
+    """`.item()` and `.tolist()` calls in one training step of a real two-stage build on one
+    rank (interleaved at p=1: the first stage hands its output over locally), the second step
+    (the first counts the stashes under hooks)."""
+    out = tmp_path / f"m{m}"
+    emit(compile_model(f"{ROOT}/tests/train_factories.py:copying", "interleaved", 1, m), out)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    reads = 0
+
+    def profile(frame, event, arg) -> None:  # type: ignore[no-untyped-def]
+        nonlocal reads
+        if event == "c_call" and getattr(arg, "__name__", "") in ("item", "tolist"):
+            reads += 1
+
+    try:
+        rt = Rank.prepare(load(out), 0, 1, torch.device("cpu"))
+        rt.connect(lambda ps: torch.optim.SGD(ps, lr=0.1), 30)
+        watchdog = Watchdog(30, rt.describe)
+        for step in (1, 2):
+            rt.new_step(step)
+            sys.setprofile(profile if step == 2 else None)
+            try:
+                run_program(rt, HANDLERS, watchdog)
+            finally:
+                sys.setprofile(None)
+            assert len(rt.losses) == m
+            rt.losses.clear()
+        watchdog.stop()
+    finally:
+        dist.destroy_process_group()
+    return reads
+
+
+def test_a_step_reads_no_device_value_per_micro_batch(tmp_path):
+    """The losses stay on the device until the step's figures are gathered: on CUDA every
+    `.item()` makes the host wait for the GPU, so one per micro-batch kept the host from
+    queueing the next instruction's kernels while a last-stage F ran. A step of 4 micro-batches
+    reads no more device values than one of 2."""
+    assert host_reads_per_step(tmp_path, 4) == host_reads_per_step(tmp_path, 2)

@@ -68,7 +68,7 @@ def pipec_losses(build: Build, case: dict, watchdog: Watchdog) -> list[float]:
         if rt is not None:
             rt.new_step(rt.step + 1)
             run_program(rt, HANDLERS, watchdog)
-            values = [torch.tensor(v) for v in rt.losses.values()]
+            values = list(rt.losses.values())
             rt.losses.clear()
         out += step_loss(values)
     return out
