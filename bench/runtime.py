@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -64,22 +65,30 @@ def run(build: Path, world: int, steps: int, threads: int) -> dict:
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
     stats = json.loads((build / "measured/stats.json").read_text())
     trace = json.loads((build / "measured/timeline.json").read_text())
-    return {"stats": stats, "replay_ms": replay(load(build), trace)}
-
-
-def replay(build: Build, trace: dict) -> float:
-    """Simulated makespan of the build's programs under the op durations a run measured."""
     durations: dict[tuple[str, int], list[float]] = defaultdict(list)
     for e in trace["traceEvents"]:
         if e.get("ph") == "X":
             durations[(e["cat"], e["args"]["stage"])].append(e["dur"] / 1000.0)
+    return {"stats": stats, "replay_ms": replay(load(build), durations)}
+
+
+def replay(
+    build: Build, durations: Mapping[tuple[str, int], list[float]], comm: float | None = None
+) -> float:
+    """Simulated makespan of the build's programs under the op durations a run measured, in
+    ms per (op, stage) (median per chunk); `comm`: the latency, else the build's."""
     layout = build.compiled.layout
     per_chunk: dict[str, list[float]] = {k: [0.0] * layout.n_chunks for k in "FBW"}
-    for (kind, stage), ds in durations.items():
-        # a fused BW is charged B + W by the simulator: put all of it on B
-        key = {"RECOMPUTE": "F", "BW": "B"}.get(kind, kind)
-        per_chunk[key][layout.stage_chunk[stage]] = statistics.median(ds)
+    # RECOMPUTE runs an F; a fused BW is charged B + W by the simulator: all of it on B,
+    # unless the stage also has a B of its own (DualPipeV mixes them): then B's and W's
+    for kind in ("RECOMPUTE", "F", "BW", "B", "W"):
+        for (k, stage), ds in durations.items():
+            if k == kind:
+                key = {"RECOMPUTE": "F", "BW": "B"}.get(kind, kind)
+                per_chunk[key][layout.stage_chunk[stage]] = statistics.median(ds)
     costs = replace(build.costs, **{k: tuple(v) for k, v in per_chunk.items()})
+    if comm is not None:
+        costs = replace(costs, comm=comm)
     return simulate(layout, build.compiled.programs, costs).makespan
 
 

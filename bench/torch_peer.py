@@ -44,8 +44,9 @@ from runtime.stash import storage_key
 
 LR = 1e-3
 TIMEOUT_S = 120.0
-#: The ops that compute (the optimizer step included: torch's iteration has its own).
-COMPUTE = frozenset({Op.F, Op.B, Op.BW, Op.W, Op.RECOMPUTE, Op.OPTIMIZER_STEP})
+#: The ops whose durations the replay takes (bench/runtime.py's `replay`), and the step.
+COMPUTE = frozenset({Op.F, Op.B, Op.BW, Op.W, Op.RECOMPUTE})
+STEP = Op.OPTIMIZER_STEP
 
 
 class SavedBytes:
@@ -141,15 +142,22 @@ def _timed(step: Callable[[], None]) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def busy_s(rt: Rank, trace: StepTrace) -> float:
-    """The rank's own compute in a step: its compute ops from their start (their inputs
-    there) to their end."""
-    return sum(e - s for i, s, e in zip(rt.program, trace.start, trace.end) if i.op in COMPUTE)
+def op_ms(rt: Rank, traces: list[StepTrace]) -> dict[str, list[float]]:
+    """Every rank's durations in `traces` (ms, from each op's start, its inputs there, to its
+    end), "F 3" for F of stage 3, "OPTIMIZER_STEP 1" for rank 1's step."""
+    mine: dict[str, list[float]] = {}
+    for trace in traces:
+        for i, s, e in zip(rt.program, trace.start, trace.end):
+            if i.op in COMPUTE or i.op is STEP:
+                key = f"{i.op.value} {rt.grank if i.op is STEP else i.stage}"
+                mine.setdefault(key, []).append((e - s) * 1e3)
+    every: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for d in every for k, v in d.items()}  # stages and ranks are disjoint
 
 
 def _across_ranks(wall: list[float], cpu: list[float]) -> list[float]:
-    """The slowest rank's wall times (and the busiest rank's compute), then the CPU times
-    summed over ranks."""
+    """The slowest rank's wall times, then the CPU times summed over ranks."""
     t = torch.tensor(wall, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     c = torch.tensor(cpu, dtype=torch.float64)
@@ -177,13 +185,12 @@ def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int) -> dic
         if k == 0:  # both start from the same weights: the first step's loss must agree
             first_loss = [rt.loss_sums()[0].item() / max(len(rt.losses), 1), peer.loss()]
         rt.losses.clear()
-    # per pair: wall pipec, wall torch, busiest rank's compute in pipec's, CPU pipec, CPU torch
     times: list[list[float]] = []
     for _ in range(pairs):
         a, a_cpu = _timed(pipec_step)
         rt.losses.clear()
         b, b_cpu = _timed(lambda: peer.step(metered=False))
-        times.append(_across_ranks([a, b, busy_s(rt, traces[-1])], [a_cpu, b_cpu]))
+        times.append(_across_ranks([a, b], [a_cpu, b_cpu]))
     watchdog.stop()
     losses = torch.tensor(first_loss, dtype=torch.float64)
     dist.all_reduce(losses)  # one rank holds the last stage's losses (V: rank 0)
@@ -196,9 +203,9 @@ def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int) -> dic
         **case,
         "pipec_ms": [t[0] * 1e3 for t in times],
         "torch_ms": [t[1] * 1e3 for t in times],
-        "pipec_busy_ms": [t[2] * 1e3 for t in times],
-        "pipec_cpu_ms": [t[3] * 1e3 for t in times],
-        "torch_cpu_ms": [t[4] * 1e3 for t in times],
+        "pipec_cpu_ms": [t[2] * 1e3 for t in times],
+        "torch_cpu_ms": [t[3] * 1e3 for t in times],
+        "pipec_op_ms": op_ms(rt, traces[warmup:]),
         "first_loss": losses.tolist(),
         "pipec_peak_bytes": peaks[0].tolist(),
         "torch_peak_bytes": peaks[1].tolist(),

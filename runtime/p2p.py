@@ -16,11 +16,15 @@ so a sent buffer lives from its send to the first instruction boundary after it 
 to the end of the step. `drain` (the optimizer step) only waits for what is still in flight.
 
 How messages travel is the `Transport`:
-- gloo matches messages by tag. Its send work reports completion only once waited, and an
-  `isend` can block its caller for milliseconds when the receiver has not posted yet (its I/O
-  thread waits for a core), so each destination has a lane: a thread that issues that
-  destination's sends in program order, waits for each, and drops its tensors the moment it
-  completes.
+- gloo matches messages by tag. Its send work reports completion only once waited, so each
+  destination has a lane: a thread that waits for that destination's sends in program order
+  and drops each one's tensors the moment it completes. The send instruction issues the
+  `isend` itself: on gloo every receive of a step is posted at its start, so the receiver is
+  always ready (an `isend` to a receiver not yet posted could block its caller for
+  milliseconds). Issued from the lane, a message waited for the lane thread's wake-up and
+  the GIL: on the tiny GPT, 1F1B, 2 ranks on 2 cores, it arrived a median 0.41-0.50 ms after
+  its send, with 2.5-4 ms outliers in about one wait in five; issued by the instruction,
+  0.17-0.22 ms, and the step 8% shorter.
 - NCCL matches messages in issue order per pair of ranks and direction, and has no tags. Every
   message goes through `batch_isend_irecv`, one batch per `passes.batches.message_batches`
   entry (the interpreter calls `flush` at each batch's end), so all of them share the group's
@@ -90,8 +94,9 @@ class Send:
         self.completed_at: int | None = None
 
     def finish(self, clock: int) -> None:
-        """Completed: let the buffers go."""
+        """Completed: let the buffers go (its works hold them too)."""
         self.tensors = self.wire = ()
+        self.works = []
         self.written = None
         self.completed_at = clock
 
@@ -236,10 +241,10 @@ class Comm:
             host, written = self.staging.out(held)
             out = Send(key, dst, held + tuple(host), tuple(host), written)
         self.in_flight.append(out)
-        if self.batched:
+        if self.batched or self.staging is None:
             self._submit(dist.isend, out.wire, dst, key, out.works)
-        else:
-            self._lane(dst).put(out)
+        if not self.batched:
+            self._lane(dst).put(out)  # it waits for the send (staged: issues it, copied)
 
     def _lane(self, dst: int) -> queue.SimpleQueue[Send]:
         lane = self._lanes.get(dst)
@@ -267,11 +272,11 @@ class Comm:
     def _send_and_wait(self, out: Send) -> None:
         # Its own frame: a work holds its tensor, and a loop variable outliving the wait
         # would keep the last send's buffer until the lane's next message.
-        if out.written is not None:
-            out.written.synchronize()
-        works: list = []
-        self._submit(dist.isend, out.wire, out.dst, out.key, works)
-        for w in works:
+        if self.staging is not None:  # staged: issued here, once the copy to host is done
+            if out.written is not None:
+                out.written.synchronize()
+            self._submit(dist.isend, out.wire, out.dst, out.key, out.works)
+        for w in out.works:
             w.wait(self.timeout)
 
     def _raise_error(self) -> None:

@@ -32,6 +32,7 @@ class FakeWork:
     def __init__(self) -> None:
         self.event = threading.Event()
         self.waits: list = []  # the timeout of each wait: None is NCCL's stream-only wait
+        self.thread = threading.current_thread()  # the thread that issued it
 
     def is_completed(self) -> bool:
         return self.event.is_set()
@@ -150,13 +151,13 @@ def test_a_wait_issues_what_it_waits_for_first(works):
 
 
 def test_a_lane_drops_its_buffers_the_moment_the_send_completes(works):
-    """gloo's path: a destination's lane issues and waits; the buffer goes without a poll."""
+    """gloo's path: the send instruction issues the message (its receive was posted at the
+    step's start), its destination's lane waits for it; the buffer goes without a poll."""
     comm = Comm(lambda r: r, n_stages=2, m=2, timeout=5.0)
     ref = sent(comm, Kind.STASH)
     out = comm.in_flight[0]
+    assert [w.thread for w in works.list] == [threading.current_thread()]  # not the lane's
     assert not comm.wait_finished(out, 0.05) and not ref.expired()
-    while not works.list:  # the lane issues it
-        threading.Event().wait(0.001)
     works.list[0].event.set()
     assert comm.wait_finished(out, 5.0)
     assert ref.expired() and out.completed_at == 0
@@ -196,8 +197,9 @@ def test_staged_messages_cross_host_copies(works):
     (host,), (buffer,) = entry.wire, entry.buffers
     assert host.data_ptr() != buffer.data_ptr()
     host.copy_(torch.full((6,), 3.0))  # the transfer writes the host buffer
-    while len(works.list) < 2:  # the lane issued the send, the receive was issued at post
+    while len(works.list) < 2:  # the lane issues the send, once copied; the receive, post
         threading.Event().wait(0.001)
+    assert works.list[1].thread is not threading.current_thread()
     for w in works.list:
         w.event.set()
     (got,) = comm.take(Kind.GRAD, 1, 0)
