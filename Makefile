@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 .PHONY: test demo clean gpu-check
-# About 18 minutes on 2 cores (1303 passed, 88 skipped in 1042 s from a fresh clone; README).
+# 15-18 minutes on 2 cores (1308 passed, 88 skipped in 889 s from a fresh clone; README).
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 

@@ -19,12 +19,12 @@ How messages travel is the `Transport`:
 - gloo matches messages by tag. Its send work reports completion only once waited, so each
   destination has a lane: a thread that waits for that destination's sends in program order
   and drops each one's tensors the moment it completes. The send instruction issues the
-  `isend` itself: on gloo every receive of a step is posted at its start, so the receiver is
-  always ready (an `isend` to a receiver not yet posted could block its caller for
-  milliseconds). Issued from the lane, a message waited for the lane thread's wake-up and
-  the GIL: on the tiny GPT, 1F1B, 2 ranks on 2 cores, it arrived a median 0.41-0.50 ms after
-  its send, with 2.5-4 ms outliers in about one wait in five; issued by the instruction,
-  0.17-0.22 ms, and the step 8% shorter.
+  `isend` itself (on gloo every receive of a step is posted at its start, so the receiver is
+  ready): issued from the lane, a message also waited for the lane thread's wake-up and the
+  GIL. On the tiny GPT, 1F1B, 2 ranks on 2 cores, a message arrived a median 0.41-0.50 ms
+  after its send through the lane, with 2.5-4 ms outliers in about one wait in five, and
+  0.17-0.22 ms issued by the instruction (docs/runtime.md). The `isend` costs its caller
+  0.1-0.2 ms, and about one in ten 3-4 ms while both cores compute.
 - NCCL matches messages in issue order per pair of ranks and direction, and has no tags. Every
   message goes through `batch_isend_irecv`, one batch per `passes.batches.message_batches`
   entry (the interpreter calls `flush` at each batch's end), so all of them share the group's
