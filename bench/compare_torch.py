@@ -83,10 +83,8 @@ def floor_ms(r: dict, comm: float) -> float:
     """The iteration of pipec's order with no cost but its own ops and the latency: the
     build's programs replayed with the op durations pipec measured (medians) and gloo's
     measured latency, plus the slowest rank's optimizer step."""
-    ops = {tuple(k.split()): v for k, v in r["pipec_op_ms"].items()}
-    steps = [statistics.median(v) for (op, _), v in ops.items() if op == "OPTIMIZER_STEP"]
-    durations = {(op, int(s)): v for (op, s), v in ops.items() if op != "OPTIMIZER_STEP"}
-    return replay(load(Path(r["build"])), durations, comm) + max(steps, default=0.0)
+    durations = {(op, int(s)): v for k, v in r["pipec_op_ms"].items() for op, s in [k.split()]}
+    return replay(load(Path(r["build"])), durations, comm) + max(r["pipec_step_ms"])
 
 
 def print_table(results: list[dict], p: int, m: int, latency: dict[str, dict]) -> None:
@@ -149,7 +147,7 @@ def main() -> None:
     job.write_text(json.dumps({"cases": cases, "warmup": args.warmup, "pairs": pairs}))
     latency = {}
     for model in models:  # between the first two stages, the size of one activation
-        nbytes = activation_bytes(Path(cases[[c["model"] for c in cases].index(model)]["build"]))
+        nbytes = activation_bytes(Path(next(c["build"] for c in cases if c["model"] == model)))
         print(f"latency of {nbytes} B under gloo ({model})", flush=True)
         latency[model] = latency_ms(nbytes, tmp / f"latency-{model}.json")
     cmd, env = torchrun(ROOT / "bench/torch_peer.py", args.pp, str(job), str(tmp / "results.json"))

@@ -64,6 +64,9 @@ class Step:
     script: str | None = None  # the file the step needs; missing: skipped
     quick: tuple[str, ...] = ()  # arguments added by --quick
 
+    def command(self, quick: bool) -> tuple[str, ...]:
+        return self.argv + self.quick if quick else self.argv
+
     def missing(self) -> str | None:
         if self.script and not (ROOT / self.script).is_file():
             return f"{self.script} does not exist in this checkout yet"
@@ -140,7 +143,7 @@ def run(step: Step, quick: bool = False, limit_s: float = 540.0) -> tuple[str, l
     """(outcome, figure lines) of one step, its output echoed as it comes; stopped after
     `limit_s` seconds."""
     env = {**os.environ, **step.env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    argv = step.argv + step.quick if quick else step.argv
+    argv = step.command(quick)
     print(f"\n=== {step.name}: {step.what}\n$ {' '.join(argv)}", flush=True)
     t0 = time.perf_counter()
     with subprocess.Popen(
@@ -232,8 +235,7 @@ def main() -> int:
         chosen = [s for s in every if not only or s.name in only]
         if args.list:
             for s in chosen:
-                argv = s.argv + s.quick if args.quick else s.argv
-                print(f"{s.name:<14} {s.what}\n{'':<14} $ {' '.join(argv)}")
+                print(f"{s.name:<14} {s.what}\n{'':<14} $ {' '.join(s.command(args.quick))}")
             return 0
         return check(chosen, Path(tmp), args.quick, args.step_limit)
 

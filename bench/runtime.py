@@ -51,6 +51,7 @@ from runtime.torchrun import torchrun
 
 MODEL = f"{ROOT}/examples/gpt.py:tiny"
 CORES = os.cpu_count() or 1
+REPLAY_ORDER = {"RECOMPUTE": 0, "F": 1, "BW": 2, "B": 3, "W": 4}  # see `replay`
 
 
 def latency_ms(nbytes: int, out: Path) -> dict:
@@ -80,12 +81,11 @@ def replay(
     layout = build.compiled.layout
     per_chunk: dict[str, list[float]] = {k: [0.0] * layout.n_chunks for k in "FBW"}
     # RECOMPUTE runs an F; a fused BW is charged B + W by the simulator: all of it on B,
-    # unless the stage also has a B of its own (DualPipeV mixes them): then B's and W's
-    for kind in ("RECOMPUTE", "F", "BW", "B", "W"):
-        for (k, stage), ds in durations.items():
-            if k == kind:
-                key = {"RECOMPUTE": "F", "BW": "B"}.get(kind, kind)
-                per_chunk[key][layout.stage_chunk[stage]] = statistics.median(ds)
+    # unless the stage also has a B of its own (DualPipeV mixes them): then B's and W's.
+    # Taken in this order, the later kind of a chunk's slot wins.
+    for (kind, stage), ds in sorted(durations.items(), key=lambda d: REPLAY_ORDER[d[0][0]]):
+        key = {"RECOMPUTE": "F", "BW": "B"}.get(kind, kind)
+        per_chunk[key][layout.stage_chunk[stage]] = statistics.median(ds)
     costs = replace(build.costs, **{k: tuple(v) for k, v in per_chunk.items()})
     if comm is not None:
         costs = replace(costs, comm=comm)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -44,9 +45,8 @@ from runtime.stash import storage_key
 
 LR = 1e-3
 TIMEOUT_S = 120.0
-#: The ops whose durations the replay takes (bench/runtime.py's `replay`), and the step.
+#: The ops whose durations the replay takes (bench/runtime.py's `replay`).
 COMPUTE = frozenset({Op.F, Op.B, Op.BW, Op.W, Op.RECOMPUTE})
-STEP = Op.OPTIMIZER_STEP
 
 
 class SavedBytes:
@@ -142,18 +142,21 @@ def _timed(step: Callable[[], None]) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def op_ms(rt: Rank, traces: list[StepTrace]) -> dict[str, list[float]]:
-    """Every rank's durations in `traces` (ms, from each op's start, its inputs there, to its
-    end), "F 3" for F of stage 3, "OPTIMIZER_STEP 1" for rank 1's step."""
+def op_ms(rt: Rank, traces: list[StepTrace]) -> tuple[dict[str, list[float]], list[float]]:
+    """Every rank's compute durations in `traces` (ms, from each op's start, its inputs there,
+    to its end) by op and stage ("F 3"), and each rank's median optimizer step."""
     mine: dict[str, list[float]] = {}
+    steps = []
     for trace in traces:
         for i, s, e in zip(rt.program, trace.start, trace.end):
-            if i.op in COMPUTE or i.op is STEP:
-                key = f"{i.op.value} {rt.grank if i.op is STEP else i.stage}"
-                mine.setdefault(key, []).append((e - s) * 1e3)
-    every: list[dict | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return {k: v for d in every for k, v in d.items()}  # stages and ranks are disjoint
+            if i.op in COMPUTE:
+                mine.setdefault(f"{i.op.value} {i.stage}", []).append((e - s) * 1e3)
+            elif i.op is Op.OPTIMIZER_STEP:
+                steps.append((e - s) * 1e3)
+    every: list[tuple | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (mine, statistics.median(steps) if steps else 0.0))
+    ops = {k: v for d, _ in every for k, v in d.items()}  # every stage on one rank
+    return ops, [step for _, step in every]
 
 
 def _across_ranks(wall: list[float], cpu: list[float]) -> list[float]:
@@ -192,6 +195,7 @@ def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int) -> dic
         b, b_cpu = _timed(lambda: peer.step(metered=False))
         times.append(_across_ranks([a, b], [a_cpu, b_cpu]))
     watchdog.stop()
+    ops, steps = op_ms(rt, traces[warmup:])
     losses = torch.tensor(first_loss, dtype=torch.float64)
     dist.all_reduce(losses)  # one rank holds the last stage's losses (V: rank 0)
     peaks = [torch.zeros(world, dtype=torch.int64) for _ in range(2)]
@@ -205,7 +209,8 @@ def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int) -> dic
         "torch_ms": [t[1] * 1e3 for t in times],
         "pipec_cpu_ms": [t[2] * 1e3 for t in times],
         "torch_cpu_ms": [t[3] * 1e3 for t in times],
-        "pipec_op_ms": op_ms(rt, traces[warmup:]),
+        "pipec_op_ms": ops,
+        "pipec_step_ms": steps,
         "first_loss": losses.tolist(),
         "pipec_peak_bytes": peaks[0].tolist(),
         "torch_peak_bytes": peaks[1].tolist(),

@@ -241,10 +241,12 @@ class Comm:
             host, written = self.staging.out(held)
             out = Send(key, dst, held + tuple(host), tuple(host), written)
         self.in_flight.append(out)
-        if self.batched or self.staging is None:
+        if self.batched:
             self._submit(dist.isend, out.wire, dst, key, out.works)
-        if not self.batched:
-            self._lane(dst).put(out)  # it waits for the send (staged: issues it, copied)
+            return
+        if self.staging is None:  # the receive is posted: issued now (staged: by the lane)
+            self._submit(dist.isend, out.wire, dst, key, out.works)
+        self._lane(dst).put(out)  # it waits for the send
 
     def _lane(self, dst: int) -> queue.SimpleQueue[Send]:
         lane = self._lanes.get(dst)
