@@ -6,10 +6,13 @@ by default, as each rank runs) plus `comm` = gloo's measured one-way latency of 
 it under torchrun (gloo, CPU, the same threads per rank) and compare the measured makespan
 (first compute start to last compute end, median over steps) with the simulated one. Then
 split the gap:
-- replay: the same programs simulated with the op durations *this run* measured (median per
-  op kind and stage, last step) and the same latency: measured / replay is what the runtime
-  itself adds (waits beyond the latency, interpreter, sends), whatever the machine's load did
-  to compute;
+- replay: each step's programs played by the simulator with that step's own measured op
+  durations and the same latency (runtime/measure.py; stats.json's `replay_ms`): measured /
+  replay, the median over steps of each step's ratio, is what the runtime itself adds (waits
+  beyond the latency, interpreter, sends), whatever the machine's load did to compute. Beside
+  it, the coarser replay this bench used before: one step played with each op kind's median
+  duration per stage (the last step's), against the median makespan: a step whose ops the
+  host slowed counts there as the runtime's;
 - cores bound: the run's total busy time / cores, the shortest makespan this many cores
   allow; above the simulated makespan when the ranks cannot all compute at once;
 - the interpreter's own time per instruction (loop wall time minus the handlers' time).
@@ -131,16 +134,17 @@ def main() -> None:
     )
     print(
         "| ranks | threads | simulated ms | measured ms (spread) | ratio | replay ms | "
-        "measured / replay | cores bound ms | iteration ms | bubble sim / measured | "
-        "overhead us/instr |"
+        "measured / replay | op medians' replay ms, ratio | cores bound ms | iteration ms | "
+        "bubble sim / measured | overhead us/instr |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for p, rs in runs.items():
         stats = [r["stats"] for r in rs]
         sim = stats[0]["simulated"]
         med = {k: statistics.median(s["measured"][k] for s in stats) for k in stats[0]["measured"]}
         spread = [s["measured"]["makespan_ms"] for s in stats]
-        rep = statistics.median(r["replay_ms"] for r in rs)
+        coarse = statistics.median(r["replay_ms"] for r in rs)
+        own = statistics.median(x["makespan_over_replay"] for s in stats for x in s["per_step"])
         bound = statistics.median(sum(x["busy_ms"] for x in s["ranks"]) / CORES for s in stats)
         overhead = statistics.median(
             r["overhead_us_per_instruction"] for s in stats for r in s["ranks"]
@@ -149,7 +153,8 @@ def main() -> None:
             f"| {p} | {args.threads} | {sim['makespan_ms']:.1f} | {med['makespan_ms']:.1f} "
             f"({min(spread):.1f}-{max(spread):.1f}) | "
             f"{med['makespan_ms'] / sim['makespan_ms']:.2f} "
-            f"| {rep:.1f} | {med['makespan_ms'] / rep:.2f} | {bound:.1f} | "
+            f"| {med['replay_ms']:.1f} | {own:.2f} | {coarse:.1f}, "
+            f"{med['makespan_ms'] / coarse:.2f} | {bound:.1f} | "
             f"{med['iteration_ms']:.1f} | {sim['bubble']:.3f} / {med['bubble']:.3f} | "
             f"{overhead:.1f} |"
         )

@@ -464,6 +464,7 @@ def measured_table(stats: dict) -> str:
 
     Simulated times from estimated costs (FLOPs at an assumed device speed) are no
     prediction of this machine: they are printed, but not compared with the measured ones.
+    The replay is what the runtime (and the host) added beyond the ops themselves.
     Memory: the real peak (the meter's bytes, runtime/meter.py) and the stash counter's peak
     (the bytes the runtime books for stashes) beside the simulator's stash peak.
     """
@@ -483,6 +484,8 @@ def measured_table(stats: dict) -> str:
         f"measured over {stats['steps_measured']} steps (median) vs simulated "
         + f"({s['cost_source']} costs):",
         f"{makespan}; iteration {m['iteration_ms']:.2f} ms",
+        f"  replay   {m['replay_ms']:.2f} ms (the ops' measured times, no wait beyond the "
+        + f"latency): makespan / replay x{m['makespan_over_replay']:.2f}",
         f"  bubble   {m['bubble']:.3f} measured vs {s['bubble']:.3f} simulated",
         f"  {'rank':>4}  {'real peak':>10}  {'stash counter':>13}  {'sim stash':>10}  "
         + f"{'busy ms':>8}  {'sim busy':>8}  {'overhead/instr':>14}",

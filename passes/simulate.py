@@ -15,7 +15,7 @@ O(number of instructions). Stash moves (EVICT/ACCEPT, RETURN/LOAD) follow
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
 from operator import attrgetter
@@ -147,6 +147,7 @@ def play(
     costs: CostModel,
     transfers: Transfers | None = None,
     overlap_as_one: bool = False,
+    measured: Mapping[Node, float] | None = None,
 ) -> Played:
     """Start and end time of every compute op, and the order in which they completed.
 
@@ -155,6 +156,8 @@ def play(
     A program that can never finish (a cycle) is a PipecError naming each stuck rank.
     Stash transfers are recorded in `transfers` when one is given. `overlap_as_one`: an
     OVERLAP pair waits for the inputs of both its ops (DeepSeek's accounting, see above).
+    `measured`: each compute op's own duration (what a run measured), in place of the cost
+    model's per stage: the schedule replayed with no wait but its messages' latency.
     """
     costs = costs.of_chunks(layout.stash_share)  # a rank's share's costs: each chunk its part
     recompute = uses_recompute(programs)
@@ -228,8 +231,8 @@ def play(
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(r)
                 break
-            t = start + durations[op][stage]
             node = (op, stage, mb)
+            t = start + (durations[op][stage] if measured is None else measured[node])
             times[node] = (start, t)
             done_order.append(node)
             slots_r.append(new(Slot, (instr, start, t)))

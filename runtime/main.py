@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from codegen.render import measured_table
-from passes.simulate import simulate
 from pipec import checkpoint
 from pipec.build_dir import MEASURED, Build, check_build, load, title
 from pipec.frontend import FrontendError, load_factory
@@ -518,11 +517,10 @@ def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:
     if rt.grank != 0:
         return
     build = rt.build
-    c = build.compiled
-    sim = simulate(c.layout, c.programs, build.costs)
     source = build.plan["model"]["cost"]["source"]
     # The backend decides where receives are posted, which the memory prediction follows.
-    stats = summarize(reports, sim, source, skip) | {"backend": dist.get_backend()}
+    stats = summarize(reports, build.compiled, build.costs, source, skip)
+    stats["backend"] = dist.get_backend()
     # What the memory prediction prices beside the real peaks (`pipec show`).
     stats |= {"precision": "bf16" if rt.compute_dtype else "fp32", "zero": rt.dp if rt.zero else 1}
     write(build.path / MEASURED, stats, timeline(reports, title(build)))

@@ -11,9 +11,13 @@ every rank takes right after a barrier); rank 0 gathers them and writes OUT/meas
                    parameters, gradients and optimizer state alive at that peak; the stash
                    counter's peak (the bytes the runtime books for stashes: autograd's saved
                    tensors, what moved by EVICT/LOAD, accepted and deferred-W bytes, all
-                   steps); busy time, interpreter overhead per instruction; and the
-                   simulator's figures for the same programs. `device` says which meter read
-                   it, `backend` (written by the entry point) where receives were posted.
+                   steps); busy time, interpreter overhead per instruction; the replay
+                   (each step's compute instructions played by the simulator with their own
+                   measured durations and the build's message latency: the step with no wait
+                   but the latency, so makespan / replay is what the runtime added beyond
+                   the ops themselves); and the simulator's figures for the same programs.
+                   `device` says which meter read it, `backend` (written by the entry
+                   point) where receives were posted.
 
 Bubble is the simulator's definition, 1 - sum(busy) / (ranks * makespan), with busy the compute
 instructions' time after their inputs arrived and makespan from the first compute start to the
@@ -30,7 +34,7 @@ from pathlib import Path
 from codegen.render import chrome_trace, dump_json
 from passes.costs import CostModel
 from passes.memory_bytes import ByteFacts, RankBytes, at_precision, for_device, predict_peaks
-from passes.simulate import SimResult, Slot
+from passes.simulate import Node, SimResult, Slot, play, simulate
 from pipec.ir import COMPUTE_OPS, Compiled, Instr, Op, op_kinds
 from runtime.interpreter import StepTrace
 from runtime.meter import stash_extras
@@ -49,6 +53,8 @@ class RankReport:
     """Per step: wall, busy, first compute start, last compute end (ms from the step start)."""
     memory: tuple[tuple[int, int], ...]
     """Per step: real peak bytes, and the parameters, gradients and optimizer state at it."""
+    ops: tuple[tuple[float, ...], ...]
+    """Per step: each compute instruction's duration (ms), in program order."""
     slots: tuple[tuple[Instr, float, float], ...]  # the last step's compute instructions
     live: tuple[tuple[float, int, int], ...]  # last step, after each instr: time, counter, real
     overhead_us: float  # median over steps of the interpreter's own time per instruction
@@ -58,17 +64,15 @@ class RankReport:
 def rank_report(
     rank: int, program: tuple[Instr, ...], peak: int, traces: list[StepTrace], device: str
 ) -> RankReport:
-    steps = []
+    steps, ops = [], []
+    compute_at = [k for k, i in enumerate(program) if i.op in COMPUTE_OPS]
     for t in traces:
-        compute = [
-            (t.start[k] - t.begin, t.end[k] - t.begin)
-            for k, i in enumerate(program)
-            if i.op in COMPUTE_OPS
-        ]
+        compute = [(t.start[k] - t.begin, t.end[k] - t.begin) for k in compute_at]
         busy = sum(e - s for s, e in compute)
         first = min((s for s, _ in compute), default=0.0)
         last = max((e for _, e in compute), default=0.0)
         steps.append((t.wall_s * MS, busy * MS, first * MS, last * MS))
+        ops.append(tuple((e - s) * MS for s, e in compute))
     t = next(x for x in reversed(traces) if x.full)  # the last, unless a signal stopped the run
     slots = tuple(
         (i, (t.start[k] - t.begin) * MS, (t.end[k] - t.begin) * MS)
@@ -78,11 +82,33 @@ def rank_report(
     live = tuple(((t.end[k] - t.begin) * MS, t.live[k], t.real[k]) for k in range(len(program)))
     overhead = statistics.median((x.wall_s - x.handler_s) / len(program) * 1e6 for x in traces)
     memory = tuple((x.real_peak, x.state_at_peak) for x in traces)
-    return RankReport(rank, peak, len(program), tuple(steps), memory, slots, live, overhead, device)
+    return RankReport(
+        rank, peak, len(program), tuple(steps), memory, tuple(ops), slots, live, overhead, device
+    )
 
 
-def summarize(reports: list[RankReport], sim: SimResult, cost_source: str, skip: int) -> dict:
+def replayed_ms(
+    reports: list[RankReport], step: int, compiled: Compiled, costs: CostModel
+) -> float:
+    """Makespan of the programs played with step `step`'s measured op durations and `costs`'
+    message latency (with data parallelism, each op's slowest copy): the step without any wait
+    beyond the latency, the runtime's or the host's."""
+    programs = compiled.programs
+    measured: dict[Node, float] = {}
+    for r in reports:
+        compute = [i for i in programs[r.rank % len(programs)] if i.op in COMPUTE_OPS]
+        for i, ms in zip(compute, r.ops[step], strict=True):
+            node = (i.op, i.stage, i.mb)
+            measured[node] = max(ms, measured.get(node, 0.0))
+    times = play(compiled.layout, programs, costs, measured=measured).times.values()
+    return max(e for _, e in times) - min(s for s, _ in times)
+
+
+def summarize(
+    reports: list[RankReport], compiled: Compiled, costs: CostModel, cost_source: str, skip: int
+) -> dict:
     """Measured figures (median over steps after the first `skip`) beside the simulated ones."""
+    sim = simulate(compiled.layout, compiled.programs, costs)
     n = len(reports[0].steps)
     kept = range(min(skip, n - 1), n)
     world = len(reports)
@@ -91,7 +117,16 @@ def summarize(reports: list[RankReport], sim: SimResult, cost_source: str, skip:
         walls, busy, first, last = zip(*(r.steps[k] for r in reports))
         makespan = max(last) - min(first)
         bubble = 1 - sum(busy) / (world * makespan) if makespan > 0 else 0.0
-        per_step.append({"iteration_ms": max(walls), "makespan_ms": makespan, "bubble": bubble})
+        replay = replayed_ms(reports, k, compiled, costs)
+        per_step.append(
+            {
+                "iteration_ms": max(walls),
+                "makespan_ms": makespan,
+                "bubble": bubble,
+                "replay_ms": replay,
+                "makespan_over_replay": makespan / replay if replay > 0 else 1.0,
+            }
+        )
     median = {key: statistics.median(s[key] for s in per_step) for key in per_step[0]}
     P = len(sim.ranks)
     ranks = []

@@ -150,7 +150,13 @@ def measured_stats(cost_source: str) -> dict:
     }
     return {
         "steps_measured": 3,
-        "measured": {"makespan_ms": 113.01, "iteration_ms": 120.0, "bubble": 0.3},
+        "measured": {
+            "makespan_ms": 113.01,
+            "iteration_ms": 120.0,
+            "bubble": 0.3,
+            "replay_ms": 107.6,
+            "makespan_over_replay": 1.05,
+        },
         "simulated": {"makespan_ms": 0.004775, "bubble": 0.29, "cost_source": cost_source},
         "ranks": [{"rank": r} | rank for r in range(2)],
     }
@@ -163,6 +169,7 @@ def test_measured_table_compares_only_like_with_like():
     assert "0.0012" in estimated  # the simulated busy time is not printed as 0.00
     profiled = measured_table(measured_stats("profile"))
     assert "makespan 113.01 ms vs 0.00 ms (x23667.02)" in profiled
+    assert "replay   107.60 ms" in profiled and "makespan / replay x1.05" in profiled
 
 
 def test_a_model_build_prints_ms_and_says_its_costs_are_estimates(tmp_path, capsys):

@@ -174,7 +174,8 @@ def test_measured_timeline_and_show(launched, capsys):
     assert [r["peak_stash_bytes"] for r in stats["ranks"]] == [
         res[f"train/{BEST}"]["peak_stash_bytes"] for res in results
     ]
-    assert "measured over" in stdout
+    assert "measured over" in stdout and "makespan / replay x" in stdout
+    assert all(0 < s["replay_ms"] for s in stats["per_step"])
     pipec_main(["show", str(build), "--lines", "2"])
     out = capsys.readouterr().out
     assert "measured over 29 steps" in out and "stash counter" in out
