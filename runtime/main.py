@@ -28,6 +28,7 @@ import argparse
 import os
 import re
 import sys
+from collections import deque
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -139,6 +140,18 @@ def launch_parser() -> argparse.ArgumentParser:
     return ap
 
 
+#: Steps whose traces a run keeps for OUT/measured/: the last ones. A trace holds every
+#: instruction's times and bytes (~50 KB a step for a rank of 400 instructions): kept for
+#: every step, a 100 000-step run would grow each rank's host memory by gigabytes.
+MEASURED_STEPS = 100
+
+
+def warmup_kept(skip: int, ran: int, kept: int) -> int:
+    """How many of the last `kept` of `ran` steps are among the first `skip` (warm-up, left
+    out of the medians), leaving at least one step measured."""
+    return min(max(skip - (ran - kept), 0), kept - 1)
+
+
 def train(
     rt: Rank,
     steps: int,
@@ -148,11 +161,13 @@ def train(
     start: int = 0,
     after_step: Callable[[int], None] | None = None,
     report: Callable[[StepFigures], None] | None = None,
+    keep: int = MEASURED_STEPS,
 ) -> list[StepTrace]:
     """Run the program for steps start+1 … `steps`; after each, `after_step(step)` (every rank,
     before the next step's barrier: checkpoints, evaluation) and later
-    `on_step(step - 1, mean loss, trace)` and `report(every rank's figures)`. Returns the steps'
-    traces: fewer than asked when a stop signal came (`watchdog.stopping`).
+    `on_step(step - 1, mean loss, trace)` and `report(every rank's figures)`. Returns the last
+    `keep` steps' traces; `rt.step` is the last step run, before `steps` when a stop signal
+    came (`watchdog.stopping`).
 
     The only collectives are the barrier before each step and the gather of every rank's
     figures after it (runtime/metrics.py: the loss sum, time, peak bytes, whether the rank was
@@ -161,13 +176,13 @@ def train(
     nobody could; since every rank sees every rank's stop flag, all of them stop after the same
     step.
     """
-    traces: list[StepTrace] = []
+    traces: deque[StepTrace] = deque(maxlen=keep)
     pending: tuple[list[torch.Tensor], dist.Work] | None = None
 
     def finish_step() -> bool:
         rows, work = pending
         work.wait()
-        figures = StepFigures.of(start + len(traces), rows)
+        figures = StepFigures.of(rt.step, rows)
         if on_step:
             on_step(figures.step - 1, figures.loss, traces[-1])
         if report:
@@ -178,7 +193,7 @@ def train(
         # Every step starts together: one clock origin for all ranks.
         step_barrier(f"before step {step + 1}", watchdog.timeout)
         if pending and finish_step():
-            return traces
+            return list(traces)
         rt.new_step(step + 1)
         traces.append(run_program(rt, handlers, watchdog, full=step + 1 == steps))
         pending = gather_step(rt, traces[-1], watchdog.stopping.is_set())
@@ -187,7 +202,7 @@ def train(
             after_step(step + 1)
     step_barrier("after the last step", watchdog.timeout)
     finish_step()
-    return traces
+    return list(traces)
 
 
 # Rank 0 gives up on the barrier this much sooner than the others give up on rank 0, so that
@@ -360,11 +375,12 @@ def main(
                 after_step=lambda step: [hook(step) for hook in after],
                 report=metrics and (lambda fig: metrics.log(fig, saved.get(fig.step))),
             )
-            done = run.start + len(traces)
+            done = rt.step
             if done < args.steps:  # stopped by a signal: keep what was trained
                 stopped(rt.grank, watchdog.signal_name, done, args.steps, save, saved)
             else:
-                write_measurements(rt, traces, min(args.skip, len(traces) - 1))
+                skip = warmup_kept(args.skip, done - run.start, len(traces))
+                write_measurements(rt, traces, skip)
             if grank == 0 and args.skip_nonfinite:
                 print(f"skipped {rt.optimizer.skipped} non-finite steps", flush=True)
     except NonFinite as e:  # every rank found it in the same all-reduce: rank 0 says it
