@@ -34,7 +34,7 @@ import torch.distributed as dist
 from pipec.build_dir import load
 from runtime.faults import Watchdog
 from runtime.interpreter import HANDLERS
-from runtime.main import train, write_measurements
+from runtime.loop import train, write_measurements
 from runtime.rank import Rank
 
 TIMEOUT_S = 120.0

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
-from collections import deque
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -38,9 +36,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from codegen.render import measured_table
 from pipec import checkpoint
-from pipec.build_dir import MEASURED, Build, check_build, load, title
+from pipec.build_dir import Build, check_build, load
 from pipec.frontend import FrontendError, load_factory
 from pipec.ir import Op, PipecError
 from pipec.progress import progress
@@ -51,9 +48,9 @@ from runtime.data import open_source
 from runtime.evaluate import evaluator
 from runtime.faults import DEFAULT_TIMEOUT_S, Watchdog, report
 from runtime.gradcheck import DropoutOff, GradCapture, compare, reference_grads
-from runtime.interpreter import HANDLERS, Handler, StepTrace, check_program, run_program
-from runtime.measure import rank_report, summarize, timeline, write
-from runtime.metrics import Metrics, StepFigures, gather_step, open_metrics
+from runtime.interpreter import HANDLERS, Handler, check_program
+from runtime.loop import train, warmup_kept, write_measurements
+from runtime.metrics import Metrics, open_metrics
 from runtime.optim import NonFinite, Trainer
 from runtime.options import LaunchParser, add_options, changed, effective, parse
 from runtime.rank import Rank, check_runnable
@@ -138,96 +135,6 @@ def launch_parser() -> argparse.ArgumentParser:
     add_options(ap)
     add_training_options(ap)
     return ap
-
-
-#: Steps whose traces a run keeps for OUT/measured/: the last ones. A trace holds every
-#: instruction's times and bytes (~50 KB a step for a rank of 400 instructions): kept for
-#: every step, a 100 000-step run would grow each rank's host memory by gigabytes.
-MEASURED_STEPS = 100
-
-
-def warmup_kept(skip: int, ran: int, kept: int) -> int:
-    """How many of the last `kept` of `ran` steps are among the first `skip` (warm-up, left
-    out of the medians), leaving at least one step measured."""
-    return min(max(skip - (ran - kept), 0), kept - 1)
-
-
-def train(
-    rt: Rank,
-    steps: int,
-    handlers: Mapping[Op, Handler],
-    watchdog: Watchdog,
-    on_step: Callable[[int, float, StepTrace], None] | None = None,
-    start: int = 0,
-    after_step: Callable[[int], None] | None = None,
-    report: Callable[[StepFigures], None] | None = None,
-    keep: int = MEASURED_STEPS,
-) -> list[StepTrace]:
-    """Run the program for steps start+1 … `steps`; after each, `after_step(step)` (every rank,
-    before the next step's barrier: checkpoints, evaluation) and later
-    `on_step(step - 1, mean loss, trace)` and `report(every rank's figures)`. Returns the last
-    `keep` steps' traces; `rt.step` is the last step run, before `steps` when a stop signal
-    came (`watchdog.stopping`).
-
-    The only collectives are the barrier before each step and the gather of every rank's
-    figures after it (runtime/metrics.py: the loss sum, time, peak bytes, whether the rank was
-    asked to stop). The gather is asynchronous and awaited after the next barrier, so a rank
-    that stops between steps is met in the barrier, which names it, never in the gather, where
-    nobody could; since every rank sees every rank's stop flag, all of them stop after the same
-    step.
-    """
-    traces: deque[StepTrace] = deque(maxlen=keep)
-    pending: tuple[list[torch.Tensor], dist.Work] | None = None
-
-    def finish_step() -> bool:
-        rows, work = pending
-        work.wait()
-        figures = StepFigures.of(rt.step, rows)
-        if on_step:
-            on_step(figures.step - 1, figures.loss, traces[-1])
-        if report:
-            report(figures)
-        return figures.stopping
-
-    for step in range(start, steps):
-        # Every step starts together: one clock origin for all ranks.
-        step_barrier(f"before step {step + 1}", watchdog.timeout)
-        if pending and finish_step():
-            return list(traces)
-        rt.new_step(step + 1)
-        traces.append(run_program(rt, handlers, watchdog, full=step + 1 == steps))
-        pending = gather_step(rt, traces[-1], watchdog.stopping.is_set())
-        rt.losses.clear()
-        if after_step:
-            after_step(step + 1)
-    step_barrier("after the last step", watchdog.timeout)
-    finish_step()
-    return list(traces)
-
-
-# Rank 0 gives up on the barrier this much sooner than the others give up on rank 0, so that
-# it is the one to report, naming the ranks that never arrived.
-BARRIER_SHARE = 0.75
-_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
-
-
-def step_barrier(where: str, timeout: float) -> None:
-    """Wait until every rank is here; on gloo, a rank that is not says which ranks are missing."""
-    if dist.get_backend() != "gloo":
-        dist.barrier()
-        return
-    wait = timeout * BARRIER_SHARE if dist.get_rank() == 0 else timeout
-    try:
-        dist.monitored_barrier(timeout=timedelta(seconds=wait), wait_all_ranks=True)
-    except RuntimeError as e:
-        missing = _MISSING.search(str(e))
-        if not missing:
-            raise
-        ranks = missing[1].strip().rstrip(",")
-        which = "rank" if "," not in ranks else "ranks"
-        raise RuntimeError(
-            f"{which} {ranks} did not reach the barrier {where} in {wait:g} s"
-        ) from None
 
 
 @dataclass(frozen=True)
@@ -523,21 +430,3 @@ def training_line(args: argparse.Namespace) -> str:
 
 def _join(items: list[int]) -> str:
     return ", ".join(map(str, items))
-
-
-def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:
-    """Gather every rank's measurements; rank 0 writes measured/ and prints the comparison."""
-    mine = rank_report(rt.grank, rt.program, rt.peak, traces, rt.device.type)
-    reports: list | None = [None] * rt.world if rt.grank == 0 else None
-    dist.gather_object(mine, reports, dst=0)
-    if rt.grank != 0:
-        return
-    build = rt.build
-    source = build.plan["model"]["cost"]["source"]
-    # The backend decides where receives are posted, which the memory prediction follows.
-    stats = summarize(reports, build.compiled, build.costs, source, skip)
-    stats["backend"] = dist.get_backend()
-    # What the memory prediction prices beside the real peaks (`pipec show`).
-    stats |= {"precision": "bf16" if rt.compute_dtype else "fp32", "zero": rt.dp if rt.zero else 1}
-    write(build.path / MEASURED, stats, timeline(reports, title(build)))
-    print(measured_table(stats), flush=True)

@@ -33,7 +33,7 @@ from runtime.data import micro_batch
 from runtime.faults import Watchdog
 from runtime.gradcheck import GradCapture, compare, reference_grads
 from runtime.interpreter import HANDLERS
-from runtime.main import train, write_measurements
+from runtime.loop import train, write_measurements
 from runtime.p2p import Comm, Kind
 from runtime.rank import Rank
 from runtime.transport import Transport

@@ -24,7 +24,7 @@ from pipec.build_dir import emit, load
 from pipec.ir import Op, PipecError
 from pipec.model import compile_model
 from runtime.interpreter import HANDLERS, check_program
-from runtime.main import BARRIER_SHARE, step_barrier
+from runtime.loop import BARRIER_SHARE, step_barrier
 from runtime.torchrun import torchrun
 from tests.runtime_launch import refused, said_by_rank_0
 

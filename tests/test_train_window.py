@@ -12,7 +12,7 @@ from pipec.build_dir import emit, load
 from pipec.model import compile_model
 from runtime.faults import Watchdog
 from runtime.interpreter import HANDLERS
-from runtime.main import train, warmup_kept
+from runtime.loop import train, warmup_kept
 from runtime.rank import Rank
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,8 +30,9 @@ from pipec.frontend import load_factory
 from runtime.data import open_source
 from runtime.faults import Watchdog
 from runtime.interpreter import HANDLERS
+from runtime.loop import train
 from runtime.lr import Schedule
-from runtime.main import restore, saver, train
+from runtime.main import restore, saver
 from runtime.optim import Trainer, TrainOptions
 from runtime.rank import Rank
 from runtime.stash import tensors_nbytes
