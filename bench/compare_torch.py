@@ -12,7 +12,10 @@ floor: pipec's programs replayed by the simulator with the op durations pipec me
 gloo's measured latency (bench/p2p_latency.py), plus the optimizer step, over torch's iteration.
 No runtime that runs this order with these ops gets below it (the order's fill, drain and the
 waits its messages' latency makes are in it); between the floor and the ratio is what pipec's
-runtime adds: its loop, its sends, waits longer than the latency.
+runtime adds: its loop, its sends, waits longer than the latency. That, step by step, is
+"pipec / replay": each timed pipec step over its own replay (the programs played with that
+step's op durations, runtime/measure.py, plus its optimizer step), the median: what pipec's
+runtime added to that very step, whatever the host did to its ops meanwhile.
 pipec's own v-half and zb-auto then run under pipec's runtime, alternating with torch's best
 (the shared schedule whose order simulates shortest for the model).
 
@@ -95,19 +98,21 @@ def print_table(results: list[dict], p: int, m: int, latency: dict[str, dict]) -
         f"\n{p} ranks, m={m}, gloo, {os.cpu_count()} cores; ratio = median of the per-pair "
         "ratios pipec/torch (interquartile range); floor = pipec's order replayed with pipec's "
         "own op durations and gloo's latency (no wait, no runtime cost), plus its optimizer "
-        f"step, over torch's median iteration: the best any runtime reaches on this order with "
-        f"these ops (one activation: {said})"
+        "step, over torch's median iteration: the best any runtime reaches on this order with "
+        "these ops; pipec / replay = median over pipec's steps of each over its own replay "
+        f"(that step's op durations, no wait): what pipec's runtime added (one activation: {said})"
     )
     print(
-        "| model | pipec | torch | pipec ms | torch ms | ratio (IQR) | floor |"
+        "| model | pipec | torch | pipec ms | torch ms | ratio (IQR) | floor | pipec / replay |"
         " CPU ms pipec / torch | first loss pipec / torch | peak saved MiB per rank pipec / torch |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     mib = 2.0**20
     for r in results:
         ratios = [a / b for a, b in zip(r["pipec_ms"], r["torch_ms"])]
         comm = latency[r["model"]]["busy_ms"]
         floor = floor_ms(r, comm) / statistics.median(r["torch_ms"])
+        own = statistics.median(a / b for a, b in zip(r["pipec_ms"], r["pipec_replay_ms"]))
         lo, hi = _quartiles(ratios)
         med = {
             k: statistics.median(r[k])
@@ -122,7 +127,7 @@ def print_table(results: list[dict], p: int, m: int, latency: dict[str, dict]) -
             f"| {r['model']} | {ours} | {r.get('torch_label', r['label'])} | "
             f"{med['pipec_ms']:.1f} | "
             f"{med['torch_ms']:.1f} | {statistics.median(ratios):.2f} ({lo:.2f}-{hi:.2f}) | "
-            f"{floor:.2f} | "
+            f"{floor:.2f} | {own:.2f} | "
             f"{med['pipec_cpu_ms']:.0f} / {med['torch_cpu_ms']:.0f} | "
             f"{r['first_loss'][0]:.4f} / {r['first_loss'][1]:.4f} | {peaks[0]} / {peaks[1]} |"
         )
@@ -143,13 +148,16 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="pipec-vs-torch-"))
     cases = compile_cases(models, args.pp, args.microbatches, tmp)
     pairs = {k: 10 if args.quick else n for k, n in PAIRS.items()}
-    job = tmp / "cases.json"
-    job.write_text(json.dumps({"cases": cases, "warmup": args.warmup, "pairs": pairs}))
     latency = {}
     for model in models:  # between the first two stages, the size of one activation
         nbytes = activation_bytes(Path(next(c["build"] for c in cases if c["model"] == model)))
         print(f"latency of {nbytes} B under gloo ({model})", flush=True)
         latency[model] = latency_ms(nbytes, tmp / f"latency-{model}.json")
+    job = tmp / "cases.json"
+    comm = {model: v["busy_ms"] for model, v in latency.items()}
+    job.write_text(
+        json.dumps({"cases": cases, "warmup": args.warmup, "pairs": pairs, "latency_ms": comm})
+    )
     cmd, env = torchrun(ROOT / "bench/torch_peer.py", args.pp, str(job), str(tmp / "results.json"))
     subprocess.run(cmd, env=env, check=True)
     results = json.loads((tmp / "results.json").read_text())

@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from pipec.torch_orders import SINGLE_STAGE
 from runtime.data import micro_batch
 from runtime.faults import Watchdog
 from runtime.interpreter import HANDLERS, StepTrace, run_program
+from runtime.measure import replayed_ms
 from runtime.rank import Rank
 from runtime.stash import storage_key
 
@@ -142,21 +144,35 @@ def _timed(step: Callable[[], None]) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def op_ms(rt: Rank, traces: list[StepTrace]) -> tuple[dict[str, list[float]], list[float]]:
+def op_ms(
+    rt: Rank, traces: list[StepTrace], comm: float
+) -> tuple[dict[str, list[float]], list[float], list[float]]:
     """Every rank's compute durations in `traces` (ms, from each op's start, its inputs there,
-    to its end) by op and stage ("F 3"), and each rank's median optimizer step."""
+    to its end) by op and stage ("F 3"), each rank's median optimizer step, and each step's
+    replay (runtime/measure.py: the programs played with that step's own op durations and
+    latency `comm`) plus its slowest optimizer step: the step with no wait beyond the latency."""
     mine: dict[str, list[float]] = {}
-    steps = []
+    steps, per_step = [], []
     for trace in traces:
+        durations, step = [], 0.0
         for i, s, e in zip(rt.program, trace.start, trace.end):
             if i.op in COMPUTE:
                 mine.setdefault(f"{i.op.value} {i.stage}", []).append((e - s) * 1e3)
+                durations.append((e - s) * 1e3)
             elif i.op is Op.OPTIMIZER_STEP:
-                steps.append((e - s) * 1e3)
+                step += (e - s) * 1e3
+        steps.append(step)
+        per_step.append(durations)
     every: list[tuple | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (mine, statistics.median(steps) if steps else 0.0))
-    ops = {k: v for d, _ in every for k, v in d.items()}  # every stage on one rank
-    return ops, [step for _, step in every]
+    dist.all_gather_object(every, (mine, steps, per_step))
+    ops = {k: v for d, _, _ in every for k, v in d.items()}  # every stage on one rank
+    costs = replace(rt.build.costs, comm=comm)
+    replays = [
+        replayed_ms({r: e[2][k] for r, e in enumerate(every)}, rt.build.compiled, costs)
+        + max(e[1][k] for e in every)
+        for k in range(len(traces))
+    ]
+    return ops, [statistics.median(e[1]) if e[1] else 0.0 for e in every], replays
 
 
 def _across_ranks(wall: list[float], cpu: list[float]) -> list[float]:
@@ -168,7 +184,7 @@ def _across_ranks(wall: list[float], cpu: list[float]) -> list[float]:
     return t.tolist() + c.tolist()
 
 
-def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int) -> dict:
+def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int, comm: float) -> dict:
     """Warm-up steps (torch's metered), then `pairs` timed pipec/torch pairs."""
     build = load(Path(case["build"]))
     rt = Rank.prepare(build, grank, world, torch.device("cpu"))
@@ -195,7 +211,7 @@ def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int) -> dic
         b, b_cpu = _timed(lambda: peer.step(metered=False))
         times.append(_across_ranks([a, b], [a_cpu, b_cpu]))
     watchdog.stop()
-    ops, steps = op_ms(rt, traces[warmup:])
+    ops, steps, replays = op_ms(rt, traces[warmup:], comm)
     losses = torch.tensor(first_loss, dtype=torch.float64)
     dist.all_reduce(losses)  # one rank holds the last stage's losses (V: rank 0)
     peaks = [torch.zeros(world, dtype=torch.int64) for _ in range(2)]
@@ -211,6 +227,7 @@ def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int) -> dic
         "torch_cpu_ms": [t[3] * 1e3 for t in times],
         "pipec_op_ms": ops,
         "pipec_step_ms": steps,
+        "pipec_replay_ms": replays,
         "first_loss": losses.tolist(),
         "pipec_peak_bytes": peaks[0].tolist(),
         "torch_peak_bytes": peaks[1].tolist(),
@@ -226,7 +243,9 @@ def main() -> None:
     grank = dist.get_rank()
     results = []
     for case in job["cases"]:
-        results.append(run_case(case, grank, world, job["warmup"], job["pairs"][case["model"]]))
+        model = case["model"]
+        pairs, comm = job["pairs"][model], job["latency_ms"][model]
+        results.append(run_case(case, grank, world, job["warmup"], pairs, comm))
         if grank == 0:
             print(f"done {case['model']} {case['label']}", flush=True)
     if grank == 0:

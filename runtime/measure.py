@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,17 +88,16 @@ def rank_report(
     )
 
 
-def replayed_ms(
-    reports: list[RankReport], step: int, compiled: Compiled, costs: CostModel
-) -> float:
-    """Makespan of the programs played with step `step`'s measured op durations and `costs`'
-    message latency (with data parallelism, each op's slowest copy): the step without any wait
-    beyond the latency, the runtime's or the host's."""
+def replayed_ms(ops: Mapping[int, Sequence[float]], compiled: Compiled, costs: CostModel) -> float:
+    """Makespan of the programs played with one step's measured op durations (`ops`: rank ->
+    its compute instructions' durations in ms, in program order; with data parallelism each
+    op's slowest copy counts) and `costs`' message latency: the step without any wait beyond
+    the latency, the runtime's or the host's."""
     programs = compiled.programs
     measured: dict[Node, float] = {}
-    for r in reports:
-        compute = [i for i in programs[r.rank % len(programs)] if i.op in COMPUTE_OPS]
-        for i, ms in zip(compute, r.ops[step], strict=True):
+    for rank, durations in ops.items():
+        compute = [i for i in programs[rank % len(programs)] if i.op in COMPUTE_OPS]
+        for i, ms in zip(compute, durations, strict=True):
             node = (i.op, i.stage, i.mb)
             measured[node] = max(ms, measured.get(node, 0.0))
     times = play(compiled.layout, programs, costs, measured=measured).times.values()
@@ -117,7 +117,7 @@ def summarize(
         walls, busy, first, last = zip(*(r.steps[k] for r in reports))
         makespan = max(last) - min(first)
         bubble = 1 - sum(busy) / (world * makespan) if makespan > 0 else 0.0
-        replay = replayed_ms(reports, k, compiled, costs)
+        replay = replayed_ms({r.rank: r.ops[k] for r in reports}, compiled, costs)
         per_step.append(
             {
                 "iteration_ms": max(walls),
