@@ -16,7 +16,11 @@ so a sent buffer lives from its send to the first instruction boundary after it 
 to the end of the step. `drain` (the optimizer step) only waits for what is still in flight.
 
 How messages travel is the `Transport`:
-- gloo matches messages by tag. Its send work reports completion only once waited, so each
+- gloo matches messages by tag, each direction between two ranks in its own group (`links`,
+  made by `Rank.connect`): gloo's TCP pair locks for a send while its I/O thread reads a
+  message coming the other way, so over one shared pair an `isend` waited 1-7 ms about one
+  time in eight while both ranks computed; with a pair per direction, never above 0.3 ms
+  (docs/runtime.md). Its send work reports completion only once waited, so each
   destination has a lane: a thread that waits for that destination's sends in program order
   and drops each one's tensors the moment it completes. The send instruction issues the
   `isend` itself (on gloo every receive of a step is posted at its start, so the receiver is
@@ -24,7 +28,7 @@ How messages travel is the `Transport`:
   GIL. On the tiny GPT, 1F1B, 2 ranks on 2 cores, a message arrived a median 0.41-0.50 ms
   after its send through the lane, with 2.5-4 ms outliers in about one wait in five, and
   0.17-0.22 ms issued by the instruction (docs/runtime.md). The `isend` costs its caller
-  0.1-0.2 ms, and about one in ten 3-4 ms while both cores compute.
+  0.1-0.2 ms.
 - NCCL matches messages in issue order per pair of ranks and direction, and has no tags. Every
   message goes through `batch_isend_irecv`, one batch per `passes.batches.message_batches`
   entry (the interpreter calls `flush` at each batch's end), so all of them share the group's
@@ -47,19 +51,20 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from passes.memory_bytes import post_ahead
-from pipec.ir import Instr
+from pipec.ir import Instr, Op
 from runtime.transport import CommStream, Staging, Transport
 
 if TYPE_CHECKING:
     from runtime.rank import Rank
 
+SENDS = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.EVICT, Op.RETURN})  # instructions that send
 MAX_TENSORS = 8  # tensors per message (a stage boundary); each gets its own tag
 Spec = tuple[tuple[int, ...], torch.dtype]  # a receive buffer: shape and dtype
 
@@ -112,12 +117,21 @@ class Posted:
         self.works: list = []
 
 
+class Links(NamedTuple):
+    """The groups a rank's messages travel in, by the peer's global rank: one per direction
+    between two ranks (see the module's docstring); a peer missing uses the world's."""
+
+    send: dict[int, dist.ProcessGroup]  # destination -> the group of this rank's sends
+    recv: dict[int, dist.ProcessGroup]  # source -> the group of its messages here
+
+
 class Comm:
     """One rank's posted receives and in-flight sends.
 
     `post_ahead`: how many compute instructions before its consumer the interpreter posts a
     receive (None: all of a step's receives at its start). `stream`: the comm stream of an
-    NCCL run on CUDA (made here unless given; tests pass a stand-in)."""
+    NCCL run on CUDA (made here unless given; tests pass a stand-in). `links`: the groups gloo's
+    messages travel in (default: the world's)."""
 
     def __init__(
         self,
@@ -128,8 +142,10 @@ class Comm:
         device: torch.device | None = None,
         transport: Transport | None = None,
         stream: CommStream | None = None,
+        links: Links | None = None,
     ) -> None:
         self.global_rank = global_rank
+        self.links = links or Links({}, {})
         self.device = device or torch.device("cpu")
         transport = transport or Transport()
         self.batched = transport.protocol == "nccl"
@@ -169,7 +185,8 @@ class Comm:
         if self.batched:
             self._batch += [(op, t, peer, tag, works) for t, tag in zip(tensors, tags)]
         else:
-            works.extend(op(t, peer, tag=tag) for t, tag in zip(tensors, tags))
+            group = (self.links.send if op is dist.isend else self.links.recv).get(peer)
+            works.extend(op(t, peer, group=group, tag=tag) for t, tag in zip(tensors, tags))
 
     def flush(self) -> None:
         """Issue the open batch as one `batch_isend_irecv` (a batch ends; see passes/batches)."""

@@ -26,7 +26,7 @@ from pipec.ir import Instr, Op, PipecError
 from runtime.bwsplit import split_backward
 from runtime.data import MicroBatch, Stream, Synthetic, open_source
 from runtime.meter import Meter
-from runtime.p2p import Comm
+from runtime.p2p import SENDS, Comm, Links
 from runtime.precision import to_bf16
 from runtime.stash import Stash, storage_key
 from runtime.transport import Transport
@@ -295,13 +295,19 @@ class Rank:
         program's collectives use (every rank, same order) and the optimizer. Needs the default
         process group."""
         c = self.build.compiled
+        transport = transport or Transport.for_run(dist.get_backend(), self.device)
+        # Every rank of the world makes the links (dist.new_group's rule): none when the build
+        # runs on part of it (a test driving pipec beside another runtime).
+        whole = dist.get_world_size() == self.build.compiled.world * self.dp
+        links = self._links() if transport.protocol == "gloo" and whole else None
         self.comm = Comm(
             self.global_rank,
             self.layout.n_stages,
             self.layout.m,
             timeout,
             self.device,
-            transport or Transport.for_run(dist.get_backend(), self.device),
+            transport,
+            links=links,
         )
         dp_groups = [[d * c.world + r for d in range(self.dp)] for r in range(c.world)]
         for r, ranks in enumerate(dp_groups):
@@ -325,6 +331,28 @@ class Rank:
                     self.replica_groups[(b if self.rank == a else a, chunk)] = group
         self._connect_tied()
         self.optimizer = optimizer(self.parameters())
+
+    def _links(self) -> Links:
+        """A group per direction between two ranks that message each other (gloo: a pair of
+        its own, so a send never waits on the other direction's receive; runtime/p2p.py),
+        made by every rank in the same order."""
+        c = self.build.compiled
+        sends = {
+            (r, i.peer)
+            for r, prog in enumerate(c.programs)
+            for i in prog
+            if i.op in SENDS and i.peer != r
+        }
+        links = Links({}, {})
+        for d in range(self.dp):
+            for a, b in sorted(sends):
+                src, dst = d * c.world + a, d * c.world + b
+                group = dist.new_group(sorted((src, dst)))
+                if src == self.grank:
+                    links.send[dst] = group
+                elif dst == self.grank:
+                    links.recv[src] = group
+        return links
 
     def _connect_tied(self) -> None:
         """Groups summing the gradients of parameters tied across ranks (embedding and head)."""

@@ -15,10 +15,13 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from pipec.compile import compile_schedule
 from pipec.ir import Op
 from pipec.model import compile_model
 from runtime import offload, p2p
-from runtime.p2p import Comm, Kind
+from runtime import rank as rank_module
+from runtime.p2p import Comm, Kind, Links
+from runtime.rank import Rank
 from runtime.transport import CommStream, Transport
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,13 +57,17 @@ def works(monkeypatch):
     answers batch_isend_irecv). `works.batches` lists each batch's ops."""
     issued: list[FakeWork] = []
     batches: list[list] = []
+    groups: list[tuple[str, int, object]] = []  # each lone op's (kind, peer, group)
 
-    def isend(tensor, peer, tag):  # type: ignore[no-untyped-def]
+    def isend(tensor, peer, tag, group=None):  # type: ignore[no-untyped-def]
+        groups.append(("send", peer, group))
         issued.append(FakeWork())
         return issued[-1]
 
-    def irecv(tensor, peer, tag):  # type: ignore[no-untyped-def]
-        return isend(tensor, peer, tag)
+    def irecv(tensor, peer, tag, group=None):  # type: ignore[no-untyped-def]
+        issued.append(FakeWork())
+        groups.append(("recv", peer, group))
+        return issued[-1]
 
     def batch_isend_irecv(ops):  # type: ignore[no-untyped-def]
         batches.append([(op.op, op.peer, op.tag) for op in ops])  # not the tensors: kept alive
@@ -70,7 +77,7 @@ def works(monkeypatch):
     monkeypatch.setattr(p2p.dist, "irecv", irecv)
     monkeypatch.setattr(p2p.dist, "batch_isend_irecv", batch_isend_irecv)
     monkeypatch.setattr(p2p.dist, "P2POp", FakeP2POp)
-    issued_with_batches = SimpleNamespace(list=issued, batches=batches)
+    issued_with_batches = SimpleNamespace(list=issued, batches=batches, groups=groups)
     return issued_with_batches
 
 
@@ -330,3 +337,40 @@ def test_both_sides_size_a_stash_buffer_from_the_plan(recompute):
     assert accepted
     for i in accepted:
         assert offload.buffer_bytes(rank, i.stage, i.mb) == facts[c.layout.stage_chunk[i.stage]]
+
+
+def test_gloo_messages_travel_in_their_directions_group(works):
+    """A send goes in the group of its destination's direction, a receive in its source's;
+    a peer without one uses the world's group (None)."""
+    out_to_1, in_from_1 = object(), object()
+    comm = Comm(lambda r: r, 2, 2, 5.0, links=Links({1: out_to_1}, {1: in_from_1}))
+    comm.send(Kind.ACT, 0, 0, 1, [torch.ones(2)])
+    comm.post(Kind.GRAD, 1, 0, 1, SPEC)
+    comm.send(Kind.ACT, 0, 1, 2, [torch.ones(2)])
+    assert works.groups == [("send", 1, out_to_1), ("recv", 1, in_from_1), ("send", 2, None)]
+    for w in works.list:
+        w.event.set()
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_every_rank_makes_a_group_per_direction_in_the_same_order(monkeypatch, dp):
+    """Rank.connect's links: each direction between two ranks that message each other gets a
+    group of its own, and every rank (members or not) creates them in one order, as
+    dist.new_group requires."""
+    compiled = compile_schedule("1f1b", 3, 4).compiled
+    made: list[tuple[int, ...]] = []
+    monkeypatch.setattr(
+        rank_module.dist, "new_group", lambda ranks: made.append(tuple(ranks)) or len(made)
+    )
+    calls, links = [], {}
+    for g in range(3 * dp):
+        made.clear()
+        fake = SimpleNamespace(build=SimpleNamespace(compiled=compiled), dp=dp, grank=g)
+        links[g] = Rank._links(fake)
+        calls.append(list(made))
+    assert all(c == calls[0] for c in calls)  # one order on every rank
+    pairs = [(0, 1), (1, 0), (1, 2), (2, 1)]
+    assert calls[0] == [tuple(sorted((d * 3 + a, d * 3 + b))) for d in range(dp) for a, b in pairs]
+    assert sorted(links[1].send) == [0, 2] and sorted(links[1].recv) == [0, 2]
+    assert sorted(links[0].send) == [1] and sorted(links[3 * dp - 1].recv) == [3 * dp - 2]
+    assert links[1].send[0] != links[1].recv[0]  # each direction its own group
