@@ -8,12 +8,14 @@ after it (runtime/metrics.py). A run keeps the traces of its last `MEASURED_STEP
 from __future__ import annotations
 
 import re
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
 
 from codegen.render import measured_table
 from pipec.build_dir import MEASURED, title
@@ -96,22 +98,52 @@ _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 
 def step_barrier(where: str, timeout: float) -> None:
-    """Wait until every rank is here; on gloo, a rank that is not says which ranks are missing."""
+    """Wait until every rank is here; on gloo, a rank that is not says which ranks are missing.
+
+    A rank that died (its connections closed) fails the barrier at once, with gloo's message
+    naming only an address: each rank notes in the store where it last arrived, so the others
+    can say which rank never came (`_not_here`)."""
     if dist.get_backend() != "gloo":
         dist.barrier()
         return
+    store = _get_default_store()  # torch's own store of the default group (rank 0 serves it)
+    store.set(f"{ARRIVED}{dist.get_rank()}", where)
     wait = timeout * BARRIER_SHARE if dist.get_rank() == 0 else timeout
+    t0 = time.monotonic()
     try:
         dist.monitored_barrier(timeout=timedelta(seconds=wait), wait_all_ranks=True)
     except RuntimeError as e:
         missing = _MISSING.search(str(e))
-        if not missing:
+        timed_out = time.monotonic() - t0 >= 0.9 * wait  # else a connection closed first
+        if missing and timed_out:
+            ranks = missing[1].strip().rstrip(",")
+            raise RuntimeError(
+                f"{_ranks(ranks)} did not reach the barrier {where} in {wait:g} s"
+            ) from None
+        gone = _not_here(store, where)
+        if not gone:
             raise
-        ranks = missing[1].strip().rstrip(",")
-        which = "rank" if "," not in ranks else "ranks"
         raise RuntimeError(
-            f"{which} {ranks} did not reach the barrier {where} in {wait:g} s"
+            f"{_ranks(', '.join(map(str, gone)))} never reached the barrier {where}: the "
+            f"connection closed (a process died?): {str(e).splitlines()[0][:200]}"
         ) from None
+
+
+ARRIVED = "pipec/arrived/"  # + rank: the barrier it last arrived at (the store's key)
+
+
+def _ranks(ranks: str) -> str:
+    return f"{'rank' if ',' not in ranks else 'ranks'} {ranks}"
+
+
+def _not_here(store: dist.Store, where: str) -> list[int]:
+    """The ranks whose last barrier, as noted in the store, is not `where`."""
+    gone = []
+    for rank in range(dist.get_world_size()):
+        key = f"{ARRIVED}{rank}"
+        if not store.check([key]) or store.get(key).decode() != where:
+            gone.append(rank)
+    return gone
 
 
 def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:

@@ -179,6 +179,38 @@ def test_a_rank_missing_from_the_step_barrier_is_named(tmp_path):
     assert (tmp_path / "1").read_text() != "passed"
 
 
+def _dying_rank(rank: int, where: str) -> None:
+    """One rank of `test_a_rank_that_died_between_steps_is_named`: after the first barrier rank
+    2 exits, its connections closing; the others go on to the next."""
+    dist.init_process_group("gloo", init_method=f"file://{where}/store", rank=rank, world_size=3)
+    step_barrier("before step 1", BARRIER_TIMEOUT_S * 10)
+    if rank == 2:
+        os._exit(1)
+    try:
+        step_barrier("before step 2", BARRIER_TIMEOUT_S * 10)
+        outcome = "passed"
+    except RuntimeError as e:
+        outcome = str(e)
+    Path(f"{where}/{rank}").write_text(outcome)
+    os._exit(0)
+
+
+def test_a_rank_that_died_between_steps_is_named(tmp_path):
+    """A dead rank's closed connections fail the barrier at once, gloo's message naming only an
+    address: the ranks still there say which rank never arrived (each notes in the store where
+    it arrived), long before the barrier's timeout."""
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_dying_rank, args=(r, str(tmp_path))) for r in range(3)]
+    t0 = time.monotonic()
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+    said = [(tmp_path / str(r)).read_text() for r in (0, 1)]
+    assert all(m.startswith("rank 2 never reached the barrier before step 2") for m in said), said
+    assert time.monotonic() - t0 < BARRIER_TIMEOUT_S * 10 * BARRIER_SHARE, said
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
