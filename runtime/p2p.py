@@ -18,11 +18,11 @@ to the end of the step. `drain` (the optimizer step) only waits for what is stil
 How messages travel is the `Transport`:
 - gloo matches messages by tag, each direction between two ranks in its own group (`links`,
   made by `Rank.connect`): gloo's TCP pair locks for a send while its I/O thread reads a
-  message coming the other way, so over one shared pair an `isend` waited 1-7 ms about one
-  time in eight while both ranks computed; with a pair per direction, never above 0.3 ms
-  (docs/runtime.md). Its send work reports completion only once waited, so each
-  destination has a lane: a thread that waits for that destination's sends in program order
-  and drops each one's tensors the moment it completes. The send instruction issues the
+  message coming the other way, so over one shared pair 7-18% of `isend`s held their caller
+  1-12 ms while both ranks computed; with a pair per direction 0.1-3% did, p99 0.3 ms
+  (`bench/gloo_pairs.py`, docs/runtime.md). Its send work reports completion only once waited,
+  so each destination has a lane: a thread that waits for that destination's sends in program
+  order and drops each one's tensors the moment it completes. The send instruction issues the
   `isend` itself (on gloo every receive of a step is posted at its start, so the receiver is
   ready): issued from the lane, a message also waited for the lane thread's wake-up and the
   GIL. On the tiny GPT, 1F1B, 2 ranks on 2 cores, a message arrived a median 0.41-0.50 ms
