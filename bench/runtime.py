@@ -47,14 +47,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from passes.costs import CostModel
-from passes.simulate import simulate
 from pipec.build_dir import Build, emit, load
+from pipec.ir import COMPUTE_OPS
 from pipec.model import compile_model
+from runtime.measure import replayed_ms
 from runtime.torchrun import torchrun
 
 MODEL = f"{ROOT}/examples/gpt.py:tiny"
 CORES = os.cpu_count() or 1
-REPLAY_ORDER = {"RECOMPUTE": 0, "F": 1, "BW": 2, "B": 3, "W": 4}  # see `replay`
 
 
 def latency_ms(nbytes: int, out: Path) -> dict:
@@ -79,20 +79,17 @@ def run(build: Path, world: int, steps: int, threads: int) -> dict:
 def replay(
     build: Build, durations: Mapping[tuple[str, int], list[float]], comm: float | None = None
 ) -> float:
-    """Simulated makespan of the build's programs under the op durations a run measured, in
-    ms per (op, stage) (median per chunk); `comm`: the latency, else the build's."""
-    layout = build.compiled.layout
-    per_chunk: dict[str, list[float]] = {k: [0.0] * layout.n_chunks for k in "FBW"}
-    # RECOMPUTE runs an F; a fused BW is charged B + W by the simulator: all of it on B,
-    # unless the stage also has a B of its own (DualPipeV mixes them): then B's and W's.
-    # Taken in this order, the later kind of a chunk's slot wins.
-    for (kind, stage), ds in sorted(durations.items(), key=lambda d: REPLAY_ORDER[d[0][0]]):
-        key = {"RECOMPUTE": "F", "BW": "B"}.get(kind, kind)
-        per_chunk[key][layout.stage_chunk[stage]] = statistics.median(ds)
-    costs = replace(build.costs, **{k: tuple(v) for k, v in per_chunk.items()})
-    if comm is not None:
-        costs = replace(costs, comm=comm)
-    return simulate(layout, build.compiled.programs, costs).makespan
+    """Makespan of the build's programs played with the op durations a run measured, in ms per
+    (op, stage) (each op charged its kind's median on its stage: RECOMPUTE, a fused BW and a
+    split B or W alike, `runtime/measure.replayed_ms`); `comm`: the latency, else the build's."""
+    c = build.compiled
+    median = {key: statistics.median(ds) for key, ds in durations.items()}
+    ops = {
+        r: [median[(i.op.value, i.stage)] for i in prog if i.op in COMPUTE_OPS]
+        for r, prog in enumerate(c.programs)
+    }
+    costs = build.costs if comm is None else replace(build.costs, comm=comm)
+    return replayed_ms(ops, c, costs)
 
 
 def activation_bytes(build: Path) -> int:
