@@ -7,19 +7,16 @@ after it (runtime/metrics.py). A run keeps the traces of its last `MEASURED_STEP
 
 from __future__ import annotations
 
-import re
-import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _get_default_store
 
 from codegen.render import measured_table
 from pipec.build_dir import MEASURED, title
 from pipec.ir import Op
+from runtime.barrier import step_barrier, who_left
 from runtime.faults import Watchdog
 from runtime.interpreter import Handler, StepTrace, run_program
 from runtime.measure import rank_report, summarize, timeline, write
@@ -58,16 +55,20 @@ def train(
     The only collectives are the barrier before each step and the gather of every rank's
     figures after it (runtime/metrics.py: the loss sum, time, peak bytes, whether the rank was
     asked to stop). The gather is asynchronous and awaited after the next barrier, so a rank
-    that stops between steps is met in the barrier, which names it, never in the gather, where
-    nobody could; since every rank sees every rank's stop flag, all of them stop after the same
-    step.
+    that stops between steps is mostly met in the barrier; one that dies just after passing it,
+    its figures still on their way (gloo sends them in the background), fails the gather's
+    wait: both are named by runtime/barrier.py. Since every rank sees every rank's stop flag,
+    all of them stop after the same step.
     """
     traces: deque[StepTrace] = deque(maxlen=keep)
     pending: tuple[list[torch.Tensor], dist.Work] | None = None
 
     def finish_step() -> bool:
         rows, work = pending
-        work.wait()
+        try:
+            work.wait()
+        except RuntimeError as e:  # a rank died after the barrier, its figures on the way
+            raise who_left(e, f"while step {rt.step}'s figures were gathered") from None
         figures = StepFigures.of(rt.step, rows)
         if on_step:
             on_step(figures.step - 1, figures.loss, traces[-1])
@@ -89,61 +90,6 @@ def train(
     step_barrier("after the last step", watchdog.timeout)
     finish_step()
     return list(traces)
-
-
-# Rank 0 gives up on the barrier this much sooner than the others give up on rank 0, so that
-# it is the one to report, naming the ranks that never arrived.
-BARRIER_SHARE = 0.75
-_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
-
-
-def step_barrier(where: str, timeout: float) -> None:
-    """Wait until every rank is here; on gloo, a rank that is not says which ranks are missing.
-
-    A rank that died (its connections closed) fails the barrier at once, with gloo's message
-    naming only an address: each rank notes in the store where it last arrived, so the others
-    can say which rank never came (`_not_here`)."""
-    if dist.get_backend() != "gloo":
-        dist.barrier()
-        return
-    store = _get_default_store()  # torch's own store of the default group (rank 0 serves it)
-    store.set(f"{ARRIVED}{dist.get_rank()}", where)
-    wait = timeout * BARRIER_SHARE if dist.get_rank() == 0 else timeout
-    t0 = time.monotonic()
-    try:
-        dist.monitored_barrier(timeout=timedelta(seconds=wait), wait_all_ranks=True)
-    except RuntimeError as e:
-        missing = _MISSING.search(str(e))
-        timed_out = time.monotonic() - t0 >= 0.9 * wait  # else a connection closed first
-        if missing and timed_out:
-            ranks = missing[1].strip().rstrip(",")
-            raise RuntimeError(
-                f"{_ranks(ranks)} did not reach the barrier {where} in {wait:g} s"
-            ) from None
-        gone = _not_here(store, where)
-        if not gone:
-            raise
-        raise RuntimeError(
-            f"{_ranks(', '.join(map(str, gone)))} never reached the barrier {where}: the "
-            f"connection closed (a process died?): {str(e).splitlines()[0][:200]}"
-        ) from None
-
-
-ARRIVED = "pipec/arrived/"  # + rank: the barrier it last arrived at (the store's key)
-
-
-def _ranks(ranks: str) -> str:
-    return f"{'rank' if ',' not in ranks else 'ranks'} {ranks}"
-
-
-def _not_here(store: dist.Store, where: str) -> list[int]:
-    """The ranks whose last barrier, as noted in the store, is not `where`."""
-    gone = []
-    for rank in range(dist.get_world_size()):
-        key = f"{ARRIVED}{rank}"
-        if not store.check([key]) or store.get(key).decode() != where:
-            gone.append(rank)
-    return gone
 
 
 def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:

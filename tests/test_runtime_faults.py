@@ -18,13 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from pipec.build_dir import emit, load
 from pipec.ir import Op, PipecError
 from pipec.model import compile_model
+from runtime.barrier import BARRIER_SHARE, step_barrier, who_left
 from runtime.interpreter import HANDLERS, check_program
-from runtime.loop import BARRIER_SHARE, step_barrier
 from runtime.torchrun import torchrun
 from tests.runtime_launch import refused, said_by_rank_0
 
@@ -209,6 +210,41 @@ def test_a_rank_that_died_between_steps_is_named(tmp_path):
     said = [(tmp_path / str(r)).read_text() for r in (0, 1)]
     assert all(m.startswith("rank 2 never reached the barrier before step 2") for m in said), said
     assert time.monotonic() - t0 < BARRIER_TIMEOUT_S * 10 * BARRIER_SHARE, said
+
+
+def _gone_while_gathering(rank: int, where: str) -> None:
+    """One rank of `test_a_rank_that_died_after_the_barrier_is_named`: rank 2 passes the
+    barrier and exits before its part of the step's gather, as a rank killed there does."""
+    dist.init_process_group("gloo", init_method=f"file://{where}/store", rank=rank, world_size=3)
+    step_barrier("before step 2", BARRIER_TIMEOUT_S * 10)
+    if rank == 2:
+        os._exit(1)
+    rows = [torch.empty(2) for _ in range(3)]
+    try:
+        dist.all_gather(rows, torch.zeros(2), async_op=True).wait()
+        outcome = "passed"
+    except RuntimeError as e:
+        outcome = str(who_left(e, "while step 1's figures were gathered"))
+    Path(f"{where}/{rank}").write_text(outcome)
+    os._exit(0)
+
+
+def test_a_rank_that_died_after_the_barrier_is_named(tmp_path):
+    """Every rank's arrival is noted, so a rank gone after the barrier is not found by its
+    note: the others look for its process (on this machine), which has exited."""
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_gone_while_gathering, args=(r, str(tmp_path))) for r in range(3)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+    said = [(tmp_path / str(r)).read_text() for r in (0, 1)]
+    assert all(
+        re.fullmatch(
+            r"rank 2 exited while step 1's figures were gathered: .*(closed|reset) by peer.*", m
+        )
+        for m in said
+    ), said
 
 
 @pytest.mark.parametrize(
