@@ -63,12 +63,13 @@ def this_machine() -> str:
 
 
 def step_barrier(where: str, timeout: float) -> None:
-    """Wait until every rank is here; on gloo, a rank that is not says which ranks are missing."""
-    store = _get_default_store()  # torch's own store of the default group (rank 0 serves it)
-    store.set(f"{ARRIVED}{dist.get_rank()}", Arrival(where, this_machine(), os.getpid()).text())
+    """Wait until every rank is here; on gloo, a rank that is not says which ranks are missing.
+    (NCCL's own watchdog reports a dead peer; there the barrier adds no store traffic.)"""
     if dist.get_backend() != "gloo":
         dist.barrier()
         return
+    store = _get_default_store()  # torch's own store of the default group
+    store.set(f"{ARRIVED}{dist.get_rank()}", Arrival(where, this_machine(), os.getpid()).text())
     wait = timeout * BARRIER_SHARE if dist.get_rank() == 0 else timeout
     t0 = time.monotonic()
     try:
