@@ -51,6 +51,7 @@ from runtime.gradcheck import DropoutOff, GradCapture, compare, reference_grads
 from runtime.interpreter import HANDLERS, Handler, check_program
 from runtime.loop import train, warmup_kept, write_measurements
 from runtime.metrics import Metrics, open_metrics
+from runtime.offload import size_moves
 from runtime.optim import NonFinite, Trainer
 from runtime.options import LaunchParser, add_options, changed, effective, parse
 from runtime.rank import Rank, check_runnable
@@ -261,6 +262,7 @@ def main(
         rt.connect(
             GradCapture if args.check_grads else lambda _: Trainer(rt, options), args.timeout
         )
+        size_moves(rt)  # a bf16 run's stash moves: their bytes at bf16
         restore(rt, run.resume, args.seed)
         if args.check_grads:
             code = int(check_grads(rt, run, handlers, watchdog, args.seed))

@@ -2,12 +2,15 @@
 
 Both sides know a stash's size from the plan: the flat buffer holds the stash's storages back
 to back, so it is exactly the stage's measured stash bytes (its input bytes when the forward is
-recomputed, see `buffer_bytes`). EVICT packs the stash into that buffer (runtime/stash.py),
-frees the stash's storages here and sends the buffer (non-blocking; the buffer goes as soon as
-the send completes). ACCEPT allocates the buffer and posts its receive; RETURN sends it back,
-and the acceptor holds it until that send completes. LOAD allocates a buffer and posts the
-receive of the stash coming back; the backward (or RECOMPUTE) that needs it waits, refills the
-stash's storages from it and drops it, so a loaded buffer lives from its LOAD to its backward.
+recomputed, see `buffer_bytes`). The plan measured them in the model's own dtype; a run in
+another (`--precision bf16`) measures its own before the first step (`size_moves`).
+
+EVICT packs the stash into that buffer (runtime/stash.py), frees the stash's storages here
+and sends the buffer (non-blocking; the buffer goes as soon as the send completes). ACCEPT
+allocates the buffer and posts its receive; RETURN sends it back, and the acceptor holds it
+until that send completes. LOAD allocates a buffer and posts the receive of the stash coming
+back; the backward (or RECOMPUTE) that needs it waits, refills the stash's storages from it
+and drops it, so a loaded buffer lives from its LOAD to its backward.
 A forward that will be recomputed kept only its inputs: those are what EVICT moves.
 
 A move out completes only once the partner has posted its half (ACCEPT, LOAD). So that the
@@ -24,11 +27,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from passes.simulate import uses_recompute
-from pipec.ir import Instr
+from pipec.ir import Instr, Op
 from runtime.p2p import Kind
-from runtime.stash import SavedTensors, Stash, storage_key
+from runtime.stash import SavedTensors, Stash, storage_key, tensors_nbytes
 
 if TYPE_CHECKING:
     from runtime.rank import Rank
@@ -44,12 +48,63 @@ def settle(rt: Rank) -> None:
 
 
 def buffer_bytes(rt: Rank, stage: int, mb: int) -> int:
-    """Bytes of (stage, mb)'s flat stash buffer, from the plan: what the evictor packs and the
-    acceptor allocates, without a message saying it."""
+    """Bytes of (stage, mb)'s flat stash buffer, from the plan (or `size_moves`): what the
+    evictor packs and the acceptor allocates, without a message saying it."""
     chunk = rt.layout.stage_chunk[stage]
+    if rt.moved_bytes:
+        return rt.moved_bytes[chunk]
     recomputed = uses_recompute(rt.build.compiled.programs)  # all of a build's stages or none
     facts = rt.build.costs.input_bytes if recomputed else rt.build.costs.stash_bytes
     return int(facts[chunk])
+
+
+def size_moves(rt: Rank) -> None:
+    """Set `rt.moved_bytes` for a run whose compute dtype is not the model's (bf16): the plan's
+    stash bytes were measured in the model's own dtype, and a bf16 stash is not simply half
+    (integer ids, a loss upcast to fp32). Each rank measures the stashes of its own stages as F
+    makes them, on zeros of the boundary's shapes and run dtypes, and every rank takes the
+    world's figure per chunk (one all-reduce before the first step), so that an evictor and its
+    acceptor allocate the same buffer. Builds that evict nothing skip it, on every rank."""
+    programs = rt.build.compiled.programs
+    if rt.compute_dtype is None or not any(i.op is Op.EVICT for prog in programs for i in prog):
+        return
+    sizes = torch.zeros(len(rt.build.costs.stash_bytes), dtype=torch.int64, device=rt.device)
+    for stage in rt.modules:
+        received = tuple(
+            torch.zeros(shape, dtype=dtype, device=rt.device)
+            for shape, dtype in rt.boundary(stage, "inputs")
+        )
+        chunk = rt.layout.stage_chunk[stage]
+        if uses_recompute(programs):
+            sizes[chunk] = tensors_nbytes(received)
+        else:
+            sizes[chunk] = _stash_bytes(rt, stage, received)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    rt.moved_bytes = tuple(sizes.tolist())
+
+
+def _stash_bytes(rt: Rank, stage: int, received: tuple[torch.Tensor, ...]) -> int:
+    """What EVICT would pack of one F of `stage` on `received`: autograd's saved storages,
+    parameters' excluded. The forward leaves no trace: the random state (dropout) and the
+    buffers (batch-norm statistics) are put back."""
+    module = rt.modules[stage]
+    buffers = [(b, b.clone()) for b in module.buffers()]
+    saved = SavedTensors(rt.param_keys[stage])
+    devices = [rt.device] if rt.device.type == "cuda" else []
+    with (
+        torch.random.fork_rng(devices=devices),
+        torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack),
+    ):
+        inputs = tuple(t.requires_grad_(t.is_floating_point()) for t in received)
+        out = module(*inputs)
+        if rt.layout.next_stage(stage) is None:
+            out = rt.spec.loss_fn(out, rt.spec.example_target.to(rt.device))
+    n = sum(storage.nbytes() for storage in saved.storages().values())
+    del out, saved
+    with torch.no_grad():
+        for b, kept in buffers:
+            b.copy_(kept)
+    return n
 
 
 def _stash(rt: Rank, instr: Instr) -> Stash:

@@ -75,6 +75,7 @@ class Rank:
     spec: ModelSpec  # loss_fn, the example micro-batch and the data
     data_seed: int = 0
     evicted: frozenset[tuple[int, int]] = frozenset()  # stashes the program EVICTs
+    moved_bytes: tuple[int, ...] = ()  # per chunk, a stash move's bytes when not the plan's
     fused: frozenset[tuple[int, int]] = frozenset()  # split stages' (s, mb) with a fused BW
     comm: Comm | None = None
     optimizer: torch.optim.Optimizer | None = None

@@ -1,15 +1,22 @@
 """The stash: saved-tensor hooks count what the frontend measures, an evicted stash frees its
 storages for real and comes back exactly (BPipe's EVICT/LOAD move these bytes)."""
 
+import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from pipec.build_dir import emit
 from pipec.frontend import load_factory, measure_stash_bytes, split_model
+from pipec.ir import Op
+from pipec.model import compile_model
 from runtime.stash import SavedTensors, storage_key
+from runtime.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
+GPT = f"{ROOT}/examples/gpt.py:tiny"
 
 
 def test_hooks_count_the_frontends_stash_and_eviction_round_trips():
@@ -63,3 +70,26 @@ def test_a_kept_storage_is_packed_but_not_freed():
     saved.restore(buffer)
     y.sum().backward()
     torch.testing.assert_close(t.grad, 2 * t.detach() * (t.detach() ** 2).exp())
+
+
+@pytest.mark.slow
+def test_a_bf16_run_moves_its_stashes_at_their_bf16_size(tmp_path):
+    """The plan measured the stashes in the model's fp32; under `--precision bf16` each rank
+    measures its own before the first step (runtime/offload.size_moves), so an evicting build
+    trains exactly as the same order without eviction (it failed at its first EVICT before:
+    "the stash holds 265984 bytes at run time, the plan measured 529152")."""
+    metrics = {}
+    for name, evict in (("plain", False), ("evict", True)):
+        compiled = compile_model(GPT, "1f1b", 4, 8, memory_limit=3 if evict else None, evict=evict)
+        moves = sum(i.op is Op.EVICT for prog in compiled.compiled.programs for i in prog)
+        assert (moves > 0) == evict
+        emit(compiled, tmp_path / name)
+        cmd, env = torchrun(tmp_path / name / "launch.py", 4, "--threads", "1")
+        run = subprocess.run(
+            [*cmd, "--steps", "3", "--precision", "bf16"],
+            env=env, capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-2000:]
+        lines = (tmp_path / name / "measured" / "metrics.jsonl").read_text().splitlines()
+        metrics[name] = [(m["loss"], m["grad_norm"]) for m in map(json.loads, lines)]
+    assert len(metrics["evict"]) == 3 and metrics["evict"] == metrics["plain"]
