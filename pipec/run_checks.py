@@ -34,6 +34,7 @@ def launch_options(args: Sequence[str]) -> argparse.Namespace | None:
             return None
         said = [line for line in err.getvalue().splitlines() if line.strip()]
         reason = said[-1].removeprefix("launch.py: error: ") if said else "bad launch options"
+        reason = reason.removesuffix(" (launch.py --help lists them)")  # said once, below
         raise PipecError(f"launch option: {reason}; BUILD/launch.py --help lists them") from None
 
 

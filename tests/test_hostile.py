@@ -267,7 +267,9 @@ def test_pipec_run_refuses_before_starting(build, tmp_path, capsys, no_torchrun,
     args = [a.replace("FILE", str(tmp_path / "FILE")) for a in args]
     nproc = args[:2] if args[0] == "--nproc" else []
     rest = args[2:] if nproc else args
-    assert message in refused(capsys, "run", str(build), *nproc, *rest)
+    said = refused(capsys, "run", str(build), *nproc, *rest)
+    assert message in said
+    assert said.count("--help lists them") <= 1  # the hint once, not launch.py's and ours
 
 
 def test_pipec_run_refuses_a_corrupted_plan(build, tmp_path, capsys, no_torchrun):
