@@ -5,8 +5,8 @@ Between steps no instruction waits on anyone: a rank that dies there is met by t
 by the wait on the previous step's gathered figures (runtime/loop.py), where gloo's error
 names only a socket address. So at each barrier every rank notes in the store where it
 arrived and which process it is (`Arrival`); when a wait between steps fails, the ranks still
-there read the notes and say which rank never arrived, or whose process on this machine is
-gone (`who_left`).
+there read the notes and say which rank never arrived, or whose process on this machine has
+exited or is stopped (`who_left`).
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def step_barrier(where: str, timeout: float) -> None:
 def who_left(error: RuntimeError, during: str, barrier: str | None = None) -> RuntimeError:
     """`error`, a wait between steps that failed, as the ranks that left `during` it: those
     whose last note is not `barrier` (when waiting at one) and those whose process on this
-    machine has exited. `error` itself when no rank is found (another machine, a hung rank)."""
+    machine has exited or is stopped. `error` itself when no rank is found (another machine, a
+    rank hung in a wait of its own)."""
     try:
         said = _left(_get_default_store(), during, barrier)
     except RuntimeError:  # the store is gone too (its host died): gloo's message is all there is
@@ -98,7 +99,7 @@ def who_left(error: RuntimeError, during: str, barrier: str | None = None) -> Ru
 
 def _left(store: dist.Store, during: str, barrier: str | None) -> str:
     """What `who_left` says: the ranks that never reached `barrier`, or else those whose
-    process exited (looked for up to EXIT_SEEN_S); "" when none is found."""
+    process exited or is stopped (looked for up to EXIT_SEEN_S); "" when none is found."""
     store.set(f"{FAILED}{dist.get_rank()}", during)  # this rank will exit, but did not leave
     notes: dict[int, Arrival | None] = {}
     for rank in range(dist.get_world_size()):
@@ -109,13 +110,17 @@ def _left(store: dist.Store, during: str, barrier: str | None) -> str:
         return f"{_ranks(never)} never reached the barrier {barrier}"
     deadline = time.monotonic() + EXIT_SEEN_S
     while time.monotonic() < deadline:
+        state = {r: _state(n) for r, n in notes.items() if n}
         # A rank that exited after its own wait failed (its note set before it exited) is not
         # the one that left.
         exited = [
-            r for r, n in notes.items() if n and _exited(n) and not store.check([f"{FAILED}{r}"])
+            r for r, how in state.items() if how == "exited" and not store.check([FAILED + str(r)])
         ]
-        if exited:
-            return f"{_ranks(exited)} exited {during}"
+        stopped = [r for r, how in state.items() if how == "stopped"]
+        said = [f"{_ranks(exited)} exited {during}"] if exited else []
+        said += [f"{_ranks(stopped)} stopped (SIGSTOP, a debugger) {during}"] if stopped else []
+        if said:
+            return "; ".join(said)
         time.sleep(0.05)
     return ""
 
@@ -127,15 +132,18 @@ def _gloo_says(error: RuntimeError) -> str:
     return gist[1] if gist else text.splitlines()[0][:200]
 
 
-def _exited(note: Arrival) -> bool:
-    """Whether the process of `note` has exited: only known on this machine."""
+def _state(note: Arrival) -> str:
+    """The process of `note`: "exited", "stopped" (it never comes back by itself) or "" (running,
+    or on another machine, where it cannot be looked up)."""
     if not note.machine or note.machine != this_machine():
-        return False
+        return ""
     try:
         state = Path(f"/proc/{note.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")  # a zombie has exited; its parent has not collected it yet
+        return "exited"
+    if state in ("Z", "X"):  # a zombie has exited; its parent has not collected it yet
+        return "exited"
+    return "stopped" if state in ("T", "t") else ""
 
 
 def _ranks(ranks: list[int]) -> str:
