@@ -121,17 +121,32 @@ def optimizer_bytes(params: int, param_bytes: int, precision: str = "fp32", zero
 
 
 def at_precision(
-    facts: ByteFacts, costs: CostModel, precision: str, zero: int = 1
+    facts: ByteFacts, costs: CostModel, precision: str, zero: int = 1, priced: str = "fp32"
 ) -> tuple[ByteFacts, CostModel]:
     """`facts` and `costs` of a run at `precision` ("fp32" or "bf16") with ZeRO-1 over `zero`
     copies: under bf16 the activations of an fp32 model weigh half (stashes, messages, what W
-    holds); weights, gradients and optimizer state follow `ByteFacts`' precision."""
+    holds); weights, gradients and optimizer state follow `ByteFacts`' precision. `priced`:
+    the precision `costs`' stash bytes are priced at (`stashes_at`)."""
     if precision == "bf16":
         facts = replace(facts, message=_half(facts.message), w_held=_half(facts.w_held))
-        costs = replace(
-            costs, stash_bytes=_half(costs.stash_bytes), input_bytes=_half(costs.input_bytes)
-        )
-    return replace(facts, precision=precision, zero=zero), costs
+    return replace(facts, precision=precision, zero=zero), stashes_at(costs, precision, priced)
+
+
+#: What an activation of an fp32 model weighs at each `--precision`, as a share of fp32.
+ACTIVATION_SHARE = {"fp32": 1.0, "bf16": 0.5}
+
+
+def stashes_at(costs: CostModel, precision: str, priced: str = "fp32") -> CostModel:
+    """`costs` whose stash and input bytes are priced at `priced` (the plan's, `pipec compile
+    --precision`; the model's own dtype by default), priced at `precision` instead."""
+    scale = ACTIVATION_SHARE[precision] / ACTIVATION_SHARE[priced]
+    if scale == 1.0:
+        return costs
+    return replace(
+        costs,
+        stash_bytes=tuple(b * scale for b in costs.stash_bytes),
+        input_bytes=tuple(b * scale for b in costs.input_bytes),
+    )
 
 
 def _half(values: tuple[float, ...]) -> tuple[float, ...]:

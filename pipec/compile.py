@@ -37,7 +37,8 @@ class Options:
     `dp` > 1 adds data-parallel gradient sync (a world of p·dp ranks). With `evict`, eviction
     holds every rank to `memory_limit` (to the smallest feasible limit when none is given).
     `limit_in_bytes`: the limit is bytes of stash per rank (needs the model's
-    `costs.stash_bytes`), checked against the simulated bytes.
+    `costs.stash_bytes`), checked against the simulated bytes. `precision`: the run's
+    `--precision` those bytes are priced at (passes/memory_bytes.stashes_at).
     """
 
     costs: CostModel = UNIT_COSTS
@@ -47,6 +48,7 @@ class Options:
     evict: bool = False
     mapping: str = "sequential"
     limit_in_bytes: bool = False
+    precision: str = "fp32"
 
 
 @dataclass(frozen=True)
@@ -107,10 +109,11 @@ def compile_schedule(
     evict: bool = False,
     mapping: str = "sequential",
     limit_in_bytes: bool = False,
+    precision: str = "fp32",
 ) -> CompileResult:
     """Build a registered family's schedule, then lower, simulate and verify it (the options
     are `Options`'). The family sees the memory limit unless eviction or bytes enforce it."""
-    opts = Options(costs, memory_limit, model, dp, evict, mapping, limit_in_bytes)
+    opts = Options(costs, memory_limit, model, dp, evict, mapping, limit_in_bytes, precision)
     check_dp(dp, p)
     v = family(schedule).default_v if v is None else v
     with gc_paused():
@@ -179,6 +182,8 @@ def package(
         plan["mapping"] = opts.mapping
     if opts.limit_in_bytes:
         plan["memory_limit_bytes"] = limit
+    if opts.precision != "fp32":
+        plan["precision"] = opts.precision  # what `costs` prices stashes at
     text = dump_json(plan)
     evaluation: tuple[Program, ...] = ()
     if opts.model is not None:  # only a build with a model runs, and evaluates

@@ -12,6 +12,7 @@ import math
 from dataclasses import replace
 
 from passes.costs import CostModel
+from passes.memory_bytes import stashes_at
 from passes.registry import Request, build_schedule, family
 from pipec.compile import CompileResult, Options, compile_from_schedule, compile_schedule
 from pipec.ir import Layout, PipecError
@@ -64,12 +65,13 @@ def compile_model(
     micro_batch_size: int | None = None,
     *,
     split_points: tuple[str, ...] | None = None,
+    precision: str = "fp32",
 ) -> CompileResult:
     """Capture and measure the model of `spec` for this schedule's layout, then compile
     (`limit_in_bytes`: `memory_limit` is bytes of stash per rank, as measured; `device`: where
     to measure it, default where the factory builds it; `micro_batch_size`: the factory's
     micro-batches, see `load_factory`; `split_points`: the blocks where stages begin, instead
-    of `partition`)."""
+    of `partition`; `precision`: the run's `--precision` the stash bytes are priced at)."""
     default = CostModel()
     costs = costs or default
     if (costs.F, costs.B, costs.W) != (default.F, default.B, default.W):
@@ -83,13 +85,14 @@ def compile_model(
         p,
         m,
         v,
-        model_costs(model, costs.of_chunks(layout.stash_share)),
+        stashes_at(model_costs(model, costs.of_chunks(layout.stash_share)), precision),
         memory_limit,
         model=model,
         dp=dp,
         evict=evict,
         mapping=mapping,
         limit_in_bytes=limit_in_bytes,
+        precision=precision,
     )
 
 

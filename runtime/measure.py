@@ -205,7 +205,7 @@ def predicted_peaks(
     else:
         facts = ByteFacts.from_plan(plan)
     facts, ahead = for_device(facts, device, backend)
-    facts, costs = at_precision(facts, costs, precision, zero)
+    facts, costs = at_precision(facts, costs, precision, zero, plan.get("precision", "fp32"))
     return predict_peaks(compiled.layout, compiled.programs, costs, sim, facts, ahead)
 
 

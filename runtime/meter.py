@@ -40,6 +40,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from passes.memory_bytes import ACTIVATION_SHARE
 from runtime.precision import grad_of
 from runtime.stash import tensors_nbytes
 
@@ -249,7 +250,8 @@ def stash_extras(plan: dict, split: bool, spec: str | None = None) -> StashExtra
     n = len(model["stages"])
     modules = build_stages(spec, model, list(range(n)))
     ms = load_factory(spec, model["seed"], model.get("micro_batch_size"))
-    stash = plan["costs"]["stash_bytes"]
+    share = ACTIVATION_SHARE[plan.get("precision", "fp32")]  # back from the plan's pricing
+    stash = [b / share for b in plan["costs"]["stash_bytes"]]
     inputs: tuple[torch.Tensor, ...] = tuple(ms.example_inputs)
     host, w_held = [], []
     for c, module in enumerate(modules):

@@ -59,14 +59,16 @@ def buffer_bytes(rt: Rank, stage: int, mb: int) -> int:
 
 
 def size_moves(rt: Rank) -> None:
-    """Set `rt.moved_bytes` for a run whose compute dtype is not the model's (bf16): the plan's
-    stash bytes were measured in the model's own dtype, and a bf16 stash is not simply half
-    (integer ids, a loss upcast to fp32). Each rank measures the stashes of its own stages as F
-    makes them, on zeros of the boundary's shapes and run dtypes, and every rank takes the
-    world's figure per chunk (one all-reduce before the first step), so that an evictor and its
-    acceptor allocate the same buffer. Builds that evict nothing skip it, on every rank."""
+    """Set `rt.moved_bytes` unless the plan's stash bytes are this run's: they were measured in
+    the model's own dtype, and priced from there for `pipec compile --precision bf16`, but a
+    bf16 stash is not simply half an fp32 one (integer ids, a loss upcast to fp32). Each rank
+    measures the stashes of its own stages as F makes them, on zeros of the boundary's shapes
+    and run dtypes, and every rank takes the world's figure per chunk (one all-reduce before the
+    first step), so that an evictor and its acceptor allocate the same buffer. Builds that evict
+    nothing skip it, on every rank."""
     programs = rt.build.compiled.programs
-    if rt.compute_dtype is None or not any(i.op is Op.EVICT for prog in programs for i in prog):
+    measured = rt.compute_dtype is None and rt.build.plan.get("precision", "fp32") == "fp32"
+    if measured or not any(i.op is Op.EVICT for prog in programs for i in prog):
         return
     sizes = torch.zeros(len(rt.build.costs.stash_bytes), dtype=torch.int64, device=rt.device)
     for stage in rt.modules:

@@ -111,3 +111,39 @@ def test_cli_byte_limit_with_the_tiny_gpt(tmp_path, capsys):
     capsys.readouterr()
     assert cli_run("verify", str(out)) == 2
     assert f"of stash live at its peak, over the limit {smallest}" in capsys.readouterr().err
+
+
+def test_a_byte_limit_at_bf16_prices_half_the_stash(tmp_path, capsys):
+    """`pipec compile --precision bf16` prices the stash bytes of a bf16 run (half an fp32
+    model's, as `pipec plan --precision bf16` does): 0.8 MiB, infeasible at fp32 (the smallest
+    there is 1.51 MiB), compiles, verifies and holds every rank; the plan says what it priced,
+    and an fp32 plan carries no such key (its hash unchanged)."""
+    model = ("examples/gpt.py:tiny", "-s", "1f1b", "-p", "4", "-m", "8", "--evict")
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    assert cli_run("compile", *model, "--memory-limit", "0.8MiB", "-o", str(fp32)) == 2
+    assert "smallest feasible limit is 1587456B" in capsys.readouterr().err
+    assert not fp32.exists()
+    assert cli_run("compile", *model, "--memory-limit", "1.6MiB", "-o", str(fp32)) == 0
+    args = ("--memory-limit", "0.8MiB", "--precision", "bf16", "-o", str(bf16))
+    assert cli_run("compile", *model, *args) == 0
+    assert cli_run("verify", str(bf16)) == 0
+    plans = {p: json.loads((p / "plan.json").read_text()) for p in (fp32, bf16)}
+    assert "precision" not in plans[fp32] and plans[bf16]["precision"] == "bf16"
+    halves = [b / 2 for b in plans[fp32]["costs"]["stash_bytes"]]
+    assert plans[bf16]["costs"]["stash_bytes"] == halves
+    stats = json.loads((bf16 / "stats.json").read_text())
+    assert max(r["peak_stash_bytes"] for r in stats["ranks"]) <= 0.8 * 2**20
+
+
+def test_precision_prices_a_model_only(tmp_path, capsys):
+    out = ("--precision", "bf16", "-o", str(tmp_path / "x"))
+    assert cli_run("compile", "-s", "1f1b", "-p", "4", "-m", "8", *out) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--precision bf16 prices a MODEL's stash bytes" in err
+    # A plan profile prices the build as `pipec plan` did (its own --precision).
+    planned = ("--micro-batch-size", "2", "--plan-profile", str(tmp_path / "profile.json"))
+    assert cli_run("compile", "examples/gpt.py:tiny", "-s", "1f1b", "-p", "4", "-m", "8",
+                   *planned, *out) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.rstrip().endswith("drop --precision")
+    assert not (tmp_path / "x").exists()

@@ -17,6 +17,7 @@ from runtime.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT}/examples/gpt.py:tiny"
+BF16_LIMIT = 0.8 * 2**20  # bytes of stash: infeasible for fp32 stashes, not for bf16 ones
 
 
 def test_hooks_count_the_frontends_stash_and_eviction_round_trips():
@@ -73,23 +74,41 @@ def test_a_kept_storage_is_packed_but_not_freed():
 
 
 @pytest.mark.slow
-def test_a_bf16_run_moves_its_stashes_at_their_bf16_size(tmp_path):
-    """The plan measured the stashes in the model's fp32; under `--precision bf16` each rank
-    measures its own before the first step (runtime/offload.size_moves), so an evicting build
-    trains exactly as the same order without eviction (it failed at its first EVICT before:
-    "the stash holds 265984 bytes at run time, the plan measured 529152")."""
-    metrics = {}
-    for name, evict in (("plain", False), ("evict", True)):
-        compiled = compile_model(GPT, "1f1b", 4, 8, memory_limit=3 if evict else None, evict=evict)
+def test_eviction_moves_stashes_of_the_runs_precision(tmp_path):
+    """The plan measured the stashes in the model's fp32, or priced them at half for `pipec
+    compile --precision bf16`; a run at another precision, or from a bf16-priced plan, measures
+    its own before the first step (runtime/offload.size_moves), so an evicting build trains
+    exactly as the same order without eviction, at either precision (at bf16 it failed at its
+    first EVICT before: "the stash holds 265984 bytes at run time, the plan measured 529152")."""
+    builds = {
+        "plain": compile_model(GPT, "1f1b", 4, 8),
+        "evict": compile_model(GPT, "1f1b", 4, 8, memory_limit=3, evict=True),
+        "evict-bf16": compile_model(
+            GPT,
+            "1f1b",
+            4,
+            8,
+            memory_limit=BF16_LIMIT,
+            evict=True,
+            limit_in_bytes=True,
+            precision="bf16",
+        ),
+    }
+    for name, compiled in builds.items():
         moves = sum(i.op is Op.EVICT for prog in compiled.compiled.programs for i in prog)
-        assert (moves > 0) == evict
+        assert (moves > 0) == (name != "plain")
         emit(compiled, tmp_path / name)
+
+    def trained(name: str, precision: str) -> list[tuple[float, float]]:
         cmd, env = torchrun(tmp_path / name / "launch.py", 4, "--threads", "1")
         run = subprocess.run(
-            [*cmd, "--steps", "3", "--precision", "bf16"],
+            [*cmd, "--steps", "2", "--precision", precision],
             env=env, capture_output=True, text=True, timeout=300, check=False,
         )  # fmt: skip
         assert run.returncode == 0, run.stderr[-2000:]
         lines = (tmp_path / name / "measured" / "metrics.jsonl").read_text().splitlines()
-        metrics[name] = [(m["loss"], m["grad_norm"]) for m in map(json.loads, lines)]
-    assert len(metrics["evict"]) == 3 and metrics["evict"] == metrics["plain"]
+        return [(m["loss"], m["grad_norm"]) for m in map(json.loads, lines)]
+
+    bf16 = trained("plain", "bf16")
+    assert trained("evict", "bf16") == bf16 and trained("evict-bf16", "bf16") == bf16
+    assert trained("evict-bf16", "fp32") == trained("plain", "fp32") != bf16

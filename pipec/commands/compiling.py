@@ -126,6 +126,7 @@ def _compile(
     micro_batch_size=None,
     plan_profile=None,
     split_points=None,
+    precision="fp32",
 ) -> CompileResult:
     cost_model = CostModel() if costs is None else parse_costs(costs)
     if mem is not None:
@@ -158,6 +159,11 @@ def _compile(
     for flag, value in (("--pp", pp), ("--microbatches", microbatches)):
         if value is None:
             raise click.UsageError(f"Missing option '{flag}'.")
+    if precision != "fp32" and (model is None or schedule is None):
+        raise PipecError(
+            f"--precision {precision} prices a MODEL's stash bytes; compile a MODEL "
+            "(path/to/file.py:factory) with --schedule, or drop --precision"
+        )
     if (micro_batch_size is not None or plan_profile is not None) and model is None:
         raise PipecError(
             "--micro-batch-size and --plan-profile need a MODEL (path/to/file.py:factory)"
@@ -174,6 +180,7 @@ def _compile(
             "--profile": profile,
             "--mapping": mapping != "sequential",
             "a --memory-limit in bytes": in_bytes,
+            "--precision": precision != "fp32",
         }
         if clash := [flag for flag, value in given.items() if value]:
             raise PipecError(
@@ -221,6 +228,7 @@ def _compile(
         device,
         micro_batch_size,
         split_points=tuple(split_points.split(",")) if split_points is not None else None,
+        precision=precision,
     )
 
 
@@ -327,6 +335,14 @@ def _memory_limit(text: str | None) -> tuple[float | None, bool]:
     type=click.Path(path_type=Path),
     default=None,
     help="With MODEL: price the build from a profile `pipec plan` saved, as the plan did.",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["fp32", "bf16"]),
+    default="fp32",
+    show_default=True,
+    help="With MODEL: launch.py --precision to price stash bytes at (bf16: half an fp32 "
+    "model's); a byte --memory-limit holds for it.",
 )
 @click.option(
     "--out",
