@@ -126,6 +126,7 @@ def test_a_byte_limit_at_bf16_prices_half_the_stash(tmp_path, capsys):
     assert cli_run("compile", *model, "--memory-limit", "1.6MiB", "-o", str(fp32)) == 0
     args = ("--memory-limit", "0.8MiB", "--precision", "bf16", "-o", str(bf16))
     assert cli_run("compile", *model, *args) == 0
+    assert "evict: limit 838860B (0.8 MiB) of bf16 stash per rank" in capsys.readouterr().out
     assert cli_run("verify", str(bf16)) == 0
     plans = {p: json.loads((p / "plan.json").read_text()) for p in (fp32, bf16)}
     assert "precision" not in plans[fp32] and plans[bf16]["precision"] == "bf16"

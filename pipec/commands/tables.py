@@ -34,15 +34,16 @@ def eviction(sim: SimResult, layout: Layout, costs: CostModel, plan: dict) -> di
 
 def eviction_line(sim: SimResult, layout: Layout, costs: CostModel, plan: dict) -> str:
     figures = eviction(sim, layout, costs, plan)
+    stash = f"{plan['precision']} stash" if "precision" in plan else "stash"  # as priced
     if "memory_limit_bytes" in figures:
-        limit = f"{amount(figures['memory_limit_bytes'], True)} of stash"
+        limit = f"{amount(figures['memory_limit_bytes'], True)} of {stash}"
     else:
         limit = f"{figures['memory_limit']:g} stashes"
     moved = f"{figures['moved_stashes']:g} stash units"
     peak = ""
     if "moved_bytes" in figures:
         moved += f" ({figures['moved_bytes']}B)"
-        peak = f"; peak {amount(figures['peak_stash_bytes'], True)} of stash on a rank"
+        peak = f"; peak {amount(figures['peak_stash_bytes'], True)} of {stash} on a rank"
     return (
         f"evict: limit {limit} per rank; {figures['evicted']} stashes evicted and loaded back, "
         f"{moved} moved per iteration ({figures['moved_inter_node']:g} over inter-node "
