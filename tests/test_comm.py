@@ -327,16 +327,21 @@ def test_issued_from_the_compute_stream_a_receive_would_wait_for_compute(monkeyp
 def test_both_sides_size_a_stash_buffer_from_the_plan(recompute):
     """The evictor packs exactly the chunk's stash bytes (its input bytes when the forward is
     recomputed) and the acceptor allocates the same: `buffer_bytes` reads only the plan, which
-    both ranks hold."""
+    both ranks hold, or the figures every rank agreed on at start (`size_moves`, a run at
+    another precision than the plan's)."""
     family = "1f1b-r" if recompute else "1f1b"
     result = compile_model(f"{ROOT}/examples/gpt.py:tiny", family, 4, 8, evict=True)
     c = result.compiled
-    rank = SimpleNamespace(layout=c.layout, build=SimpleNamespace(compiled=c, costs=result.costs))
+    build = SimpleNamespace(compiled=c, costs=result.costs)
+    rank = SimpleNamespace(layout=c.layout, build=build, moved_bytes=())
     facts = result.costs.input_bytes if recompute else result.costs.stash_bytes
     accepted = [i for prog in c.programs for i in prog if i.op is Op.ACCEPT]
     assert accepted
     for i in accepted:
         assert offload.buffer_bytes(rank, i.stage, i.mb) == facts[c.layout.stage_chunk[i.stage]]
+    rank.moved_bytes = tuple(range(100, 100 + len(facts)))
+    for i in accepted:
+        assert offload.buffer_bytes(rank, i.stage, i.mb) == 100 + c.layout.stage_chunk[i.stage]
 
 
 def test_gloo_messages_travel_in_their_directions_group(works):
