@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 .PHONY: test demo clean gpu-check
-# 14-18 minutes on 2 cores (1321 passed, 88 skipped in 881 s from a fresh clone; README).
+# 14-18 minutes on 2 cores (1326 passed, 88 skipped in 919 s from a fresh clone; README).
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
