@@ -70,6 +70,7 @@ def size_moves(rt: Rank) -> None:
     measured = rt.compute_dtype is None and rt.build.plan.get("precision", "fp32") == "fp32"
     if measured or not any(i.op is Op.EVICT for prog in programs for i in prog):
         return
+    recomputed = uses_recompute(programs)
     sizes = torch.zeros(len(rt.build.costs.stash_bytes), dtype=torch.int64, device=rt.device)
     for stage in rt.modules:
         received = tuple(
@@ -77,32 +78,26 @@ def size_moves(rt: Rank) -> None:
             for shape, dtype in rt.boundary(stage, "inputs")
         )
         chunk = rt.layout.stage_chunk[stage]
-        if uses_recompute(programs):
-            sizes[chunk] = tensors_nbytes(received)
-        else:
-            sizes[chunk] = _stash_bytes(rt, stage, received)
+        sizes[chunk] = tensors_nbytes(received) if recomputed else _stash_bytes(rt, stage, received)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
     rt.moved_bytes = tuple(sizes.tolist())
 
 
 def _stash_bytes(rt: Rank, stage: int, received: tuple[torch.Tensor, ...]) -> int:
-    """What EVICT would pack of one F of `stage` on `received`: autograd's saved storages,
-    parameters' excluded. The forward leaves no trace: the random state (dropout) and the
+    """The frontend's measure of `stage`'s stash (what EVICT packs: autograd's saved storages
+    but the parameters'), on `received`, leaving no trace: the random state (dropout) and the
     buffers (batch-norm statistics) are put back."""
+    from pipec.frontend import measure_stash_bytes  # as the plan measured it
+
     module = rt.modules[stage]
     buffers = [(b, b.clone()) for b in module.buffers()]
-    saved = SavedTensors(rt.param_keys[stage])
+    last = rt.layout.next_stage(stage) is None
+    target = rt.spec.example_target.to(rt.device)
     devices = [rt.device] if rt.device.type == "cuda" else []
-    with (
-        torch.random.fork_rng(devices=devices),
-        torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack),
-    ):
-        inputs = tuple(t.requires_grad_(t.is_floating_point()) for t in received)
-        out = module(*inputs)
-        if rt.layout.next_stage(stage) is None:
-            out = rt.spec.loss_fn(out, rt.spec.example_target.to(rt.device))
-    n = sum(storage.nbytes() for storage in saved.storages().values())
-    del out, saved
+    with torch.random.fork_rng(devices=devices):
+        n = measure_stash_bytes(
+            module, received, (lambda y: rt.spec.loss_fn(y, target)) if last else None
+        )
     with torch.no_grad():
         for b, kept in buffers:
             b.copy_(kept)
