@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # before bench/ itself, whose runtime.py would shadow the package
+sys.path.insert(0, str(ROOT))  # the checkout's pipec, bench and examples, installed or not
 
-from runtime.kernels import attention, flash
+from pipec.runtime.kernels import attention, flash
 
 BATCH, HEADS = 4, 16
 HEAD_DIMS = (64, 128)

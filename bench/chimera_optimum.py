@@ -14,9 +14,9 @@ Run from the repository root: PYTHONPATH=$PWD python bench/chimera_optimum.py [D
 import sys
 from functools import cache
 
-from passes.schedules.bidirectional import two_way_layout
-from passes.schedules.slots import fused_nodes
 from pipec.ir import Op, dependencies
+from pipec.passes.schedules.bidirectional import two_way_layout
+from pipec.passes.schedules.slots import fused_nodes
 
 
 def shortest(d: int, n: int, backward: int) -> int:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from bench.runtime import activation_bytes, latency_ms, replay
 from pipec.build_dir import emit, load
 from pipec.model import compile_model, compile_model_torch_order
-from runtime.torchrun import torchrun
+from pipec.runtime.torchrun import torchrun
 
 #: Schedules both runtimes have: label, torch class, chunks per rank.
 SHARED = (

@@ -31,7 +31,7 @@ FAMILIES = (
 COSTS = {"unit": "F=1,B=1,W=1,comm=0", "1.5B": "F=18.522,B=18.086,W=9.337,comm=0.601"}
 CHILD = """
 import gc, json, sys, time
-from passes.costs import parse_costs
+from pipec.passes.costs import parse_costs
 from pipec.compile import compile_schedule
 family, p, m, costs, limit = sys.argv[1:]
 args = (family, int(p), int(m), None, parse_costs(costs), None if limit == "-" else float(limit))

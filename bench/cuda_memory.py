@@ -21,11 +21,11 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # before bench/ itself, whose runtime.py would shadow the package
+sys.path.insert(0, str(ROOT))  # the checkout's pipec, bench and examples, installed or not
 
 from gpu_pipeline import compile_on_gpu, shared_gpu_args, train_shared  # bench/gpu_pipeline.py
 
-from runtime.measure import predicted_peaks
+from pipec.runtime.measure import predicted_peaks
 
 SCHEDULES = ("1f1b", "1f1b --evict", "v-half", "zb-h1")
 MIB = 2**20

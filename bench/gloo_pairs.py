@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime.torchrun import torchrun
+from pipec.runtime.torchrun import torchrun
 
 WAYS = ("shared", "per-direction")
 

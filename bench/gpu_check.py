@@ -1,4 +1,4 @@
-"""`make gpu-check`: everything that needs the GPU machine, then the figures the README quotes.
+"""`make gpu-check`: everything that needs the GPU machine, then the figures docs/gpu.md records.
 
 Each step is a command run from the checkout root with this Python; its output streams as it
 runs, and the lines that carry its figures are collected into a summary at the end:
@@ -207,7 +207,7 @@ def check(chosen: list[Step], out: Path, quick: bool = False, limit_s: float = 5
         if s.name == "kernel-speed":
             figures = kernel_figures(out / "attention.json") + figures
         summary.append((s, outcome, figures))
-    print("\n=== summary: the figures the README quotes")
+    print("\n=== summary: the figures docs/gpu.md records")
     for s, outcome, figures in summary:
         print(f"{s.name} ({s.what}): {outcome}")
         for line in figures:

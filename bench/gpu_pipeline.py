@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # before bench/ itself, whose runtime.py would shadow the package
+sys.path.insert(0, str(ROOT))  # the checkout's pipec, bench and examples, installed or not
 
 from pipec.build_dir import emit
 from pipec.compile import CompileResult
 from pipec.model import compile_model
-from runtime.torchrun import torchrun
+from pipec.runtime.torchrun import torchrun
 
 MODEL = f"{ROOT}/examples/gpt.py:tiny"
 SCHEDULES = ("1f1b", "zb-v", "v-half", "bitpipe", "1f1b --evict")

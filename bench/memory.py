@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from pipec.build_dir import emit
 from pipec.model import compile_model
-from runtime.measure import predicted_peaks
-from runtime.torchrun import torchrun
+from pipec.runtime.measure import predicted_peaks
+from pipec.runtime.torchrun import torchrun
 
 MODELS = {"tiny": (4, 8), "deep": (8, 16)}
 SCHEDULES = ("1f1b", "1f1b --evict", "v-min", "v-half", "zb-h1")
@@ -49,9 +49,9 @@ def train(build: Path, world: int, steps: int, ahead: str = "default") -> dict:
 
 def worker(argv: list[str]) -> None:
     """A rank: the runtime's entry point, with the receive policy set first (if given)."""
-    from passes import memory_bytes
-    from runtime.faults import take_termination_signals
-    from runtime.main import main
+    from pipec.passes import memory_bytes
+    from pipec.runtime.faults import take_termination_signals
+    from pipec.runtime.main import main
 
     build, ahead, *rest = argv
     if ahead != "default":

@@ -29,12 +29,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from passes.costs import CostModel
-from passes.registry import Request
-from passes.schedules.vshape import reference_orders, v_half_slots, v_min_slots, v_schedule
 from pipec.compile import CompileResult, Options, compile_from_schedule, compile_schedule
 from pipec.interop import compile_torch_class
 from pipec.ir import PipecError
+from pipec.passes.costs import CostModel
+from pipec.passes.registry import Request
+from pipec.passes.schedules.vshape import reference_orders, v_half_slots, v_min_slots, v_schedule
 
 DATA = Path(__file__).resolve().parent / "data" / "peer-makespans.jsonl"
 COSTS = {

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from pipec.ir import PipecError
 from pipec.plan.candidates import Evaluated, PlanRequest
 from pipec.plan.driver import plan_model
-from runtime.torchrun import torchrun
+from pipec.runtime.torchrun import torchrun
 
 GPT = "examples/gpt.py:tiny"
 TIME_TOLERANCE = 0.25

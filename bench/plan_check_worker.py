@@ -20,7 +20,7 @@ from pathlib import Path
 # The checkout first: this folder's bench/runtime.py would shadow the runtime package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.faults import take_termination_signals
+from pipec.runtime.faults import take_termination_signals
 
 take_termination_signals()  # before torch starts threads, as launch.py does
 
@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 
 from pipec.build_dir import load
-from runtime.faults import Watchdog
-from runtime.interpreter import HANDLERS
-from runtime.loop import train, write_measurements
-from runtime.rank import Rank
+from pipec.runtime.faults import Watchdog
+from pipec.runtime.interpreter import HANDLERS
+from pipec.runtime.loop import train, write_measurements
+from pipec.runtime.rank import Rank
 
 TIMEOUT_S = 120.0
 PINGS = 300

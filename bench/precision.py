@@ -30,8 +30,8 @@ import torch
 
 from pipec.build_dir import emit
 from pipec.model import compile_model
-from runtime.main import launch_parser
-from runtime.torchrun import torchrun
+from pipec.runtime.options import launch_parser
+from pipec.runtime.torchrun import torchrun
 
 PRECISIONS = ("fp32", "bf16")
 

@@ -46,12 +46,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from passes.costs import CostModel
 from pipec.build_dir import Build, emit, load
 from pipec.ir import COMPUTE_OPS
 from pipec.model import compile_model
-from runtime.measure import replayed_ms
-from runtime.torchrun import torchrun
+from pipec.passes.costs import CostModel
+from pipec.runtime.measure import replayed_ms
+from pipec.runtime.torchrun import torchrun
 
 MODEL = f"{ROOT}/examples/gpt.py:tiny"
 CORES = os.cpu_count() or 1

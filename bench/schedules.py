@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from passes.costs import CostModel
-from passes.registry import family
 from pipec.compile import compile_schedule
 from pipec.ir import PipecError
+from pipec.passes.costs import CostModel
+from pipec.passes.registry import family
 
 SCHEDULES = [
     "1f1b",

@@ -3,7 +3,7 @@
 Simulated: for p = 4 .. --max-p, a GPT of the tiny config's width with 2p layers (one layer per
 V-Min chunk, two per 1F1B stage; stash bytes measured by the frontend), m = 2p. Prints rank 0's
 peak in stashes and in bytes for both schedules, the byte ratio, and the bound of
-ALGORITHMS.md, (p+4)//3 / p, which is the busiest rank's (rank 0 can hold one stash fewer).
+docs/memory.md, (p+4)//3 / p, which is the busiest rank's (rank 0 can hold one stash fewer).
 
 Run (--run): compile examples/gpt.py:deep (16 narrow layers) for 1F1B, 1F1B --evict and V-Min
 at p=8, m=16, train three steps of each under torchrun (gloo, CPU) through OUT/launch.py, and
@@ -28,13 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.gpt import TINY, GPTConfig, make_spec
-from passes.costs import CostModel
-from passes.registry import family
 from pipec.build_dir import emit
 from pipec.compile import compile_schedule
 from pipec.frontend import build_model_plan
 from pipec.model import compile_model, model_costs
-from runtime.torchrun import torchrun
+from pipec.passes.costs import CostModel
+from pipec.passes.registry import family
+from pipec.runtime.torchrun import torchrun
 
 DEEP = f"{ROOT}/examples/gpt.py:deep"
 RUN_P, RUN_M = 8, 16

@@ -9,11 +9,11 @@ builds the same schedule when it is registered (and whether the per-rank orders 
 
 from __future__ import annotations
 
-from passes.costs import CostModel, parse_costs
-from passes.registry import SCHEDULES, family
 from pipec.compile import CompileResult, compile_schedule
 from pipec.interop import compile_torch_class
 from pipec.ir import COMPUTE_OPS
+from pipec.passes.costs import CostModel, parse_costs
+from pipec.passes.registry import SCHEDULES, family
 
 COSTS = {
     "unit": CostModel(per="chunk"),

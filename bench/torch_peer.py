@@ -37,13 +37,13 @@ sys.path.insert(0, str(ROOT))
 from pipec.build_dir import Build, load
 from pipec.frontend import build_stages
 from pipec.ir import Op
+from pipec.runtime.data import micro_batch
+from pipec.runtime.faults import Watchdog
+from pipec.runtime.interpreter import HANDLERS, StepTrace, run_program
+from pipec.runtime.measure import replayed_ms
+from pipec.runtime.rank import Rank
+from pipec.runtime.stash import storage_key
 from pipec.torch_orders import SINGLE_STAGE
-from runtime.data import micro_batch
-from runtime.faults import Watchdog
-from runtime.interpreter import HANDLERS, StepTrace, run_program
-from runtime.measure import replayed_ms
-from runtime.rank import Rank
-from runtime.stash import storage_key
 
 LR = 1e-3
 TIMEOUT_S = 120.0

@@ -16,10 +16,10 @@ from operator import itemgetter
 
 import jinja2
 
-from passes.memory_bytes import TERMS
-from passes.simulate import SimResult, Slot
-from passes.transfers import Transfer
 from pipec.ir import Layout, Op, Program
+from pipec.passes.memory_bytes import TERMS
+from pipec.passes.simulate import SimResult, Slot
+from pipec.passes.transfers import Transfer
 from pipec.textform import TITLE, Header
 
 #: Milliseconds of cost-model time per microsecond of trace time: costs are read as ms.
@@ -40,7 +40,7 @@ _OP_NAME = {op: op.name for op in Op}  # Enum's .name is a slow descriptor; 10^5
 @cache
 def _env() -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.PackageLoader("codegen", "templates"),
+        loader=jinja2.PackageLoader("pipec.codegen", "templates"),
         keep_trailing_newline=False,
         trim_blocks=False,
         undefined=jinja2.StrictUndefined,

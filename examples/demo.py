@@ -18,17 +18,16 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # a fresh clone works without installing pipec
-
 import torch
 
-from passes.registry import SCHEDULES, family
 from pipec.build_dir import emit
 from pipec.ir import PipecError
 from pipec.model import compile_model
+from pipec.passes.registry import SCHEDULES, family
 from pipec.progress import progress
-from runtime.torchrun import run_build
+from pipec.runtime.torchrun import run_build
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:

@@ -38,8 +38,8 @@ from pipec.build_dir import emit, load
 from pipec.frontend import load_factory
 from pipec.ir import PipecError
 from pipec.model import compile_model
+from pipec.runtime.data import micro_batch
 from pipec.torch_runtime import pipeline_stages, schedule, splits_backward, stage_modules
-from runtime.data import micro_batch
 
 MODEL = f"{Path(__file__).with_name('llama.py')}:tiny"  # found from any directory
 # examples/llama.py's names; heads and the MLP split across the tp ranks.

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from pipec.frontend import ModelSpec, token_model_spec
-from runtime.kernels import attention
+from pipec.runtime.kernels import attention
 
 # Record `attention` as one call_function node: tracing into it would hit its Python dispatch
 # (GQA head check, Triton vs SDPA) and fail on a traced shape.

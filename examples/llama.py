@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipec.frontend import ModelSpec, token_model_spec
-from runtime.kernels import attention
+from pipec.runtime.kernels import attention
 
 # One call_function node per attention: see examples/gpt.py.
 torch.fx.wrap("attention")

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from passes.memory_bytes import ALLOCATES
-from passes.rendezvous import MESSAGE_OPS
 from pipec.ir import Instr, Op
+from pipec.passes.memory_bytes import ALLOCATES
+from pipec.passes.rendezvous import MESSAGE_OPS
 
 MOVES_OUT = frozenset({Op.EVICT, Op.RETURN})
 

@@ -32,8 +32,8 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from passes.topology import Topology
 from pipec.ir import Instr, Layout, Op, PipecError
+from pipec.passes.topology import Topology
 
 _ITEM = re.compile(r"^(F|B|W|comm|allreduce|per)=([-+0-9.eE:]+|share|chunk)$")
 _MEM_ITEM = re.compile(r"^(F|W|in)=([-+0-9.eE]+)$")

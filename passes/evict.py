@@ -19,8 +19,9 @@ import math
 from dataclasses import replace
 from functools import cached_property
 
-from passes.costs import CostModel
-from passes.evict_plan import (
+from pipec.ir import Compiled, Instr, Layout, Op, PipecError
+from pipec.passes.costs import CostModel
+from pipec.passes.evict_plan import (
     EPS,
     Infeasible,
     Move,
@@ -30,11 +31,10 @@ from passes.evict_plan import (
     plan_evictor,
     view,
 )
-from passes.mapping import mirror_pairs
-from passes.rendezvous import Keys, knowledge, message_keys
-from passes.residency import NEEDS_MODEL
-from passes.simulate import activation_profile, play, uses_recompute
-from pipec.ir import Compiled, Instr, Layout, Op, PipecError
+from pipec.passes.mapping import mirror_pairs
+from pipec.passes.rendezvous import Keys, knowledge, message_keys
+from pipec.passes.residency import NEEDS_MODEL
+from pipec.passes.simulate import activation_profile, play, uses_recompute
 
 Knowledge = tuple[list[int], list[int]]
 

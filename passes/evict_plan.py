@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
-from passes.rendezvous import MESSAGE_OPS
 from pipec.ir import COMPUTE_OPS, Instr, Op, PipecError, Program
+from pipec.passes.rendezvous import MESSAGE_OPS
 
 EPS = 1e-9
 _READS = (Op.RECOMPUTE, Op.B, Op.BW)

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from passes import replicas
-from passes.simulate import uses_recompute
-from passes.violation import VerifyError, at
 from pipec.ir import (
     COMPUTE_OPS,
     MEMORY_OPS,
@@ -28,6 +25,9 @@ from pipec.ir import (
     fused_set,
     upstream_backward,
 )
+from pipec.passes import replicas
+from pipec.passes.simulate import uses_recompute
+from pipec.passes.violation import VerifyError, at
 
 #: Ops that meet a counterpart on a peer rank (a replica all-reduce only when it names one).
 MESSAGE_LIKE = SEND_OPS | RECV_OPS | MEMORY_OPS | {Op.ALLREDUCE_GRADS}

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from passes.execution import check_execution
-from passes.violation import VerifyError, at
 from pipec.ir import Compiled, Op, Program
+from pipec.passes.execution import check_execution
+from pipec.passes.violation import VerifyError, at
 
 #: The ops an evaluation program keeps.
 FORWARD_OPS = frozenset({Op.F, Op.SEND_ACT, Op.RECV_ACT})

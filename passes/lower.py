@@ -18,8 +18,6 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from operator import itemgetter
 
-from passes.costs import CostModel
-from passes.simulate import Played, play, uses_recompute
 from pipec.ir import (
     COMPUTE_OPS,
     Compiled,
@@ -32,6 +30,8 @@ from pipec.ir import (
     dependencies,
     fused_backwards,
 )
+from pipec.passes.costs import CostModel
+from pipec.passes.simulate import Played, play, uses_recompute
 
 Node = tuple[Op, int, int]
 Entry = tuple[tuple, str, Instr, Node | None]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from passes.topology import Topology
 from pipec.ir import Layout, PipecError, Schedule
+from pipec.passes.topology import Topology
 
 Mapping = Callable[[int, int, int], int]
 

@@ -54,9 +54,9 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
-from passes.costs import CostModel
-from passes.simulate import SimResult, bytes_profile, uses_recompute
 from pipec.ir import COMPUTE_OPS, RECV_OPS, Instr, Layout, Op
+from pipec.passes.costs import CostModel
+from pipec.passes.simulate import SimResult, bytes_profile, uses_recompute
 
 ADAMW_MOMENT_BYTES = 2 * 4
 """AdamW's exp_avg and exp_avg_sq, each fp32, per parameter."""

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from functools import cache
 
-from passes.costs import CostModel
-from passes.evict import EvictionPlanner
-from passes.lower import lower
-from passes.mapping import PLACEMENTS, allowed, auto, remap
-from passes.simulate import simulate
 from pipec.ir import Compiled, PipecError, Schedule
+from pipec.passes.costs import CostModel
+from pipec.passes.evict import EvictionPlanner
+from pipec.passes.lower import lower
+from pipec.passes.mapping import PLACEMENTS, allowed, auto, remap
+from pipec.passes.simulate import simulate
 
 MAPPINGS = (*PLACEMENTS, "auto")
 

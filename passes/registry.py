@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from passes.costs import CostModel
 from pipec.ir import PipecError, Schedule
+from pipec.passes.costs import CostModel
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def schedule(
 
 def family(name: str) -> Family:
     """The family registered as `name`, or a PipecError listing the valid names."""
-    import passes.schedules  # noqa: F401  (registers the built-in families)
+    import pipec.passes.schedules  # noqa: F401  (registers the built-in families)
 
     if name not in SCHEDULES:
         raise PipecError(

@@ -16,8 +16,8 @@ chain from after one of them back to before it, which the test excludes.
 
 from __future__ import annotations
 
-from passes.execution import counterpart
 from pipec.ir import MEMORY_OPS, RECV_OPS, SEND_OPS, Compiled, Instr, PipecError
+from pipec.passes.execution import counterpart
 
 MESSAGE_OPS = SEND_OPS | RECV_OPS | MEMORY_OPS
 

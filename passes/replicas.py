@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from passes.costs import CostModel
 from pipec.ir import COMPUTE_OPS, Instr, Layout, Op, PipecError, op_kinds
+from pipec.passes.costs import CostModel
 
 Node = tuple[Op, int, int]
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from passes.violation import VerifyError, at
 from pipec.ir import MEMORY_OPS, Compiled, Op, PipecError, op_kinds
+from pipec.passes.violation import VerifyError, at
 
 if TYPE_CHECKING:
-    from passes.simulate import SimResult
+    from pipec.passes.simulate import SimResult
 
 NEEDS_MODEL = (
     "a --memory-limit in bytes needs a MODEL (path/to/file.py:factory) to measure stash bytes; "

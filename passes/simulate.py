@@ -21,9 +21,6 @@ from itertools import accumulate
 from operator import attrgetter
 from typing import NamedTuple
 
-from passes.costs import CostModel
-from passes.replicas import sync_times
-from passes.transfers import Transfer, Transfers
 from pipec.ir import (
     COMPUTE_OPS,
     MEMORY_OPS,
@@ -36,6 +33,9 @@ from pipec.ir import (
     op_kinds,
     upstream_backward,
 )
+from pipec.passes.costs import CostModel
+from pipec.passes.replicas import sync_times
+from pipec.passes.transfers import Transfer, Transfers
 
 Node = tuple[Op, int, int]
 

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from itertools import accumulate
 from operator import attrgetter, getitem, itemgetter
 
-from passes.costs import CostModel
-from passes.simulate import SimResult, uses_recompute
 from pipec.ir import COMPUTE_OPS, MEMORY_OPS, Instr, Layout, Op, op_kinds
+from pipec.passes.costs import CostModel
+from pipec.passes.simulate import SimResult, uses_recompute
 
 #: Per stash-move op: the transfer it takes part in, the side of it this rank is on, and
 #: whether its memory change counts from the transfer's start (else from its end).

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from passes.costs import CostModel
 from pipec.ir import Instr, Layout, Op
+from pipec.passes.costs import CostModel
 
 #: Which transfer each half belongs to, and the op of its sending half.
 _KIND = {Op.EVICT: "evict", Op.ACCEPT: "evict", Op.RETURN: "load", Op.LOAD: "load"}

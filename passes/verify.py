@@ -1,4 +1,4 @@
-"""The verifier: the four invariants of DESIGN.md, checked on every program pipec emits.
+"""The verifier: the four invariants of docs/design.md, checked on every program pipec emits.
 
 1. Every op of the work graph appears exactly once, on the rank its stage is mapped to.
 2. Program order respects every data dependency; an input from another rank is received first.
@@ -23,14 +23,14 @@ from collections.abc import Sequence
 from itertools import compress
 from operator import attrgetter
 
-from passes import replicas
-from passes.costs import CostModel
-from passes.data_parallel import dp_sync_error
-from passes.execution import check_execution
-from passes.residency import check_residency
-from passes.simulate import uses_recompute
-from passes.violation import VerifyError, at
 from pipec.ir import COMPUTE_OPS, Compiled, Instr, Op, fused_set, op_kinds
+from pipec.passes import replicas
+from pipec.passes.costs import CostModel
+from pipec.passes.data_parallel import dp_sync_error
+from pipec.passes.execution import check_execution
+from pipec.passes.residency import check_residency
+from pipec.passes.simulate import uses_recompute
+from pipec.passes.violation import VerifyError, at
 
 __all__ = [
     "VerifyError",

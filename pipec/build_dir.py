@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from codegen.render import (
+from pipec.beside import beside
+from pipec.codegen.render import (
     ChartFacts,
     dump_json,
     render_launch,
@@ -28,15 +29,14 @@ from codegen.render import (
     render_svg,
     trace_json,
 )
-from passes.costs import CostModel
-from passes.forward_only import verify_forward
-from passes.residency import check_stash_bytes
-from passes.simulate import SimResult, simulate
-from passes.stash_timeline import stash_over_time
-from passes.verify import verify
-from pipec.beside import beside
 from pipec.compile import PLAN_FORMAT, CompileResult, check_dp, gc_paused, plan_hash
 from pipec.ir import FORMAT_VERSION, Compiled, Layout, PipecError, Program, instruction_count
+from pipec.passes.costs import CostModel
+from pipec.passes.forward_only import verify_forward
+from pipec.passes.residency import check_stash_bytes
+from pipec.passes.simulate import SimResult, simulate
+from pipec.passes.stash_timeline import stash_over_time
+from pipec.passes.verify import verify
 from pipec.textform import Header, parse_program
 
 #: The files of every build besides its rank programs; a run adds the folder MEASURED.

@@ -12,7 +12,6 @@ from typing import NoReturn
 
 import click
 
-from passes.registry import SCHEDULES, family
 from pipec import __version__
 from pipec.build_dir import os_error
 from pipec.commands.builds import export, run_cmd, show, verify_cmd
@@ -20,6 +19,7 @@ from pipec.commands.compiling import compile_cmd, simulate_cmd
 from pipec.commands.planning import plan_cmd
 from pipec.compile import gc_paused
 from pipec.ir import PipecError
+from pipec.passes.registry import SCHEDULES, family
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -13,18 +13,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 
-from codegen.render import dump_json
-from passes.costs import CostModel
-from passes.data_parallel import add_dp_sync
-from passes.forward_only import forward_only, verify_forward
-from passes.lower import lower
-from passes.placement import place
-from passes.registry import Request, build_schedule, family
-from passes.residency import check_stash_bytes
-from passes.simulate import Played, SimResult, play, simulate
-from passes.verify import check_execution, verify
 from pipec.beside import beside
+from pipec.codegen.render import dump_json
 from pipec.ir import Compiled, PipecError, Program, Schedule, instruction_count
+from pipec.passes.costs import CostModel
+from pipec.passes.data_parallel import add_dp_sync
+from pipec.passes.forward_only import forward_only, verify_forward
+from pipec.passes.lower import lower
+from pipec.passes.placement import place
+from pipec.passes.registry import Request, build_schedule, family
+from pipec.passes.residency import check_stash_bytes
+from pipec.passes.simulate import Played, SimResult, play, simulate
+from pipec.passes.verify import check_execution, verify
 
 PLAN_FORMAT = "pipec.plan/1"
 UNIT_COSTS = CostModel()  # F=B=W=1 per rank's share, comm 0: the default (frozen, shared)

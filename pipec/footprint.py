@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from codegen.render import format_bytes
+from pipec.codegen.render import format_bytes
 from pipec.ir import PipecError
 
 BASE_BYTES = 30e6  # the interpreter, pipec's modules

@@ -9,12 +9,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from passes.costs import CostModel
-from passes.from_torch import schedule_from_torch
-from passes.to_torch import torch_rows
 from pipec.build_dir import load
 from pipec.compile import CompileResult, Options, compile_from_schedule
 from pipec.ir import PipecError, Schedule
+from pipec.passes.costs import CostModel
+from pipec.passes.from_torch import schedule_from_torch
+from pipec.passes.to_torch import torch_rows
 from pipec.torch_csv import read_csv, write_csv
 
 

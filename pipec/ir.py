@@ -83,6 +83,9 @@ RECV_OPS = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
 MEMORY_OPS = frozenset({Op.EVICT, Op.LOAD, Op.ACCEPT, Op.RETURN})
 #: Ops whose peer field is the destination (printed `to=`); the others print `from=`.
 TO_PEER_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.EVICT, Op.RETURN, Op.ALLREDUCE_GRADS})
+#: Tensors one message (a stage boundary) carries at most: the runtime gives each its own tag,
+#: and the frontend refuses a cut with more.
+MAX_TENSORS = 8
 _OP_NAME = {op: op.value for op in Op}  # Enum's .value is a slow descriptor on hot paths
 _PEER_KEY = {op: " to=" if op in TO_PEER_OPS else " from=" for op in Op}
 
@@ -332,7 +335,7 @@ of None is the upstream backward: fused BW or split B as that (stage, mb) is com
 
 
 def dependency_table(layout: Layout, recompute: bool = False) -> dict[Op, list[tuple[Pred, ...]]]:
-    """Per compute op, per stage: the predecessors of (op, stage, mb) (DESIGN.md's edges).
+    """Per compute op, per stage: the predecessors of (op, stage, mb) (docs/design.md's edges).
 
     F(s,i)<-F(prev,i); B(last,i)<-F(last,i); B(s,i)<-B(next,i), F(s,i); W(s,i)<-B(s,i).
     With recompute, the backward also waits for RECOMPUTE(s,i), which waits for F(s,i).

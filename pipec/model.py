@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from passes.costs import CostModel
-from passes.memory_bytes import stashes_at
-from passes.registry import Request, build_schedule, family
 from pipec.compile import CompileResult, Options, compile_from_schedule, compile_schedule
 from pipec.ir import Layout, PipecError
+from pipec.passes.costs import CostModel
+from pipec.passes.memory_bytes import stashes_at
+from pipec.passes.registry import Request, build_schedule, family
 
 MS_PER_S = 1000.0
 
@@ -133,7 +133,7 @@ def compile_model_torch_order(
 ) -> CompileResult:
     """torch's own order for `torch_class` (e.g. ScheduleZBVZeroBubble) compiled for the model
     of `spec`: pipec's runtime then executes exactly the order torch's runtime does."""
-    from passes.from_torch import schedule_from_torch
+    from pipec.passes.from_torch import schedule_from_torch
     from pipec.torch_orders import torch_order  # imports torch
 
     cls_name, rows, _ = torch_order(torch_class, p, m, v)

@@ -26,13 +26,13 @@ Steps = tuple[tuple[str, str], ...]
 
 #: Module prefix -> the step it does; the outermost one on the stack names what runs.
 STEPS: Steps = (
-    ("passes.registry", "building the schedule"),
-    ("passes.schedules", "building the schedule"),
-    ("passes.placement", "placing stages and evictions"),
-    ("passes.lower", "lowering to sends and receives"),
-    ("passes.simulate", "simulating"),
-    ("passes.verify", "verifying"),
-    ("passes.execution", "verifying"),
+    ("pipec.passes.registry", "building the schedule"),
+    ("pipec.passes.schedules", "building the schedule"),
+    ("pipec.passes.placement", "placing stages and evictions"),
+    ("pipec.passes.lower", "lowering to sends and receives"),
+    ("pipec.passes.simulate", "simulating"),
+    ("pipec.passes.verify", "verifying"),
+    ("pipec.passes.execution", "verifying"),
     ("pipec.beside", "verifying"),  # the compile waits for the verifier on the other core
     ("pipec.plan.profile_mbs", "profiling each micro-batch size"),
     ("pipec.plan.candidates", "pricing the candidates"),

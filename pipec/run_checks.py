@@ -23,7 +23,7 @@ def launch_options(args: Sequence[str]) -> argparse.Namespace | None:
     """`args` parsed as launch.py would; PipecError with argparse's message in one line.
     None for `--help` (printed here; there is nothing to run)."""
     # launch.py's own parser, so options added to it are checked here too (torch: only now).
-    from runtime.main import _parse as parse_launch
+    from pipec.runtime.options import parse_launch
 
     err = io.StringIO()
     try:
@@ -59,7 +59,7 @@ def check_run(build: Path, nproc: int | None, args: Sequence[str]) -> int | None
     the number of ranks to start, or None when only `--help` was asked for."""
     from pipec.build_dir import check_launch, load
     from pipec.provenance import check_factory
-    from runtime.train_options import zero_error
+    from pipec.runtime.train_options import zero_error
 
     if not (Path(build) / "launch.py").is_file():
         raise PipecError(

@@ -43,7 +43,7 @@ def default_chunks(cls_name: str) -> int:
 
 def _fix_1f1b_last_rank(rows: list[list[Cell]], m: int) -> list[str]:
     """torch 2.13's Schedule1F1B *prints* the last rank's forwards as 1..m (its runtime runs
-    0..m-1, FACTS.md): renumber them when exactly that pattern is present, and say so."""
+    0..m-1; docs/interop.md): renumber them when exactly that pattern is present, and say so."""
     last = rows[-1]
     fwd = [c[0].mb for c in last if c[0].type == "F"]
     bwd = [c[0].mb for c in last if c[0].type == "B"]

@@ -34,11 +34,11 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from passes.to_torch import torch_rows
 from pipec.build_dir import Build, load
 from pipec.frontend.blocks import Stacks, find_blocks
 from pipec.frontend.facts import ModelPlan
 from pipec.ir import PipecError
+from pipec.passes.to_torch import torch_rows
 
 Loss = Callable[[Any, Tensor], Tensor]
 

@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from runtime.precision import add_grad
-from runtime.stash import tensors_nbytes
+from pipec.runtime.precision import add_grad
+from pipec.runtime.stash import tensors_nbytes
 
 _QUEUE_ATTR = "weight_grad_queue"
 aten = torch.ops.aten

@@ -18,13 +18,13 @@ import torch
 from torch import Tensor
 
 from pipec.ir import Instr, Op
-from runtime import bwsplit
-from runtime.offload import finish_load
-from runtime.p2p import Kind
-from runtime.stash import SavedTensors, Stash, tensors_nbytes
+from pipec.runtime import bwsplit
+from pipec.runtime.offload import finish_load
+from pipec.runtime.p2p import Kind
+from pipec.runtime.stash import SavedTensors, Stash, tensors_nbytes
 
 if TYPE_CHECKING:
-    from runtime.rank import Rank
+    from pipec.runtime.rank import Rank
 
 
 def incoming(rt: Rank, kind: Kind, producer: int, mb: int) -> tuple[Tensor, ...]:

@@ -21,15 +21,15 @@ from torch import Tensor
 
 from pipec.build_dir import eval_file
 from pipec.ir import Instr, Op
-from runtime import p2p
-from runtime.compute import incoming, outgoing
-from runtime.data import Stream
-from runtime.faults import Watchdog
-from runtime.interpreter import Handler, run_program
-from runtime.rank import Rank
+from pipec.runtime import p2p
+from pipec.runtime.compute import incoming, outgoing
+from pipec.runtime.data import Stream
+from pipec.runtime.faults import Watchdog
+from pipec.runtime.interpreter import Handler, run_program
+from pipec.runtime.rank import Rank
 
 if TYPE_CHECKING:
-    from runtime.metrics import Metrics
+    from pipec.runtime.metrics import Metrics
 
 
 def forward(rt: Rank, instr: Instr) -> None:

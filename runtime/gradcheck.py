@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from runtime.data import MicroBatch
+from pipec.runtime.data import MicroBatch
 
 aten = torch.ops.aten
 F = torch.nn.functional

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipec.ir import Instr
-from runtime.precision import grad_of, set_grad
+from pipec.runtime.precision import grad_of, set_grad
 
 if TYPE_CHECKING:
-    from runtime.rank import Rank
+    from pipec.runtime.rank import Rank
 
 
 def _grads(params) -> list[torch.Tensor]:

@@ -24,15 +24,15 @@ from operator import sub
 
 from torch import nn
 
-from passes.batches import batch_ends
-from passes.memory_bytes import ALLOCATES, post_points
 from pipec.ir import Instr, Op, PipecError
-from runtime import clock, compute, grads, offload, p2p
-from runtime.faults import Watchdog
-from runtime.meter import Meter, Sampling
-from runtime.precision import grad_of
-from runtime.rank import FIRST_INSTR_LINE, Rank
-from runtime.stash import tensors_nbytes
+from pipec.passes.batches import batch_ends
+from pipec.passes.memory_bytes import ALLOCATES, post_points
+from pipec.runtime import clock, compute, grads, offload, p2p
+from pipec.runtime.faults import Watchdog
+from pipec.runtime.meter import Meter, Sampling
+from pipec.runtime.precision import grad_of
+from pipec.runtime.rank import FIRST_INSTR_LINE, Rank
+from pipec.runtime.stash import tensors_nbytes
 
 Handler = Callable[[Rank, Instr], None]
 

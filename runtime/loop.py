@@ -13,15 +13,16 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from codegen.render import measured_table
 from pipec.build_dir import MEASURED, title
+from pipec.codegen.render import measured_table
 from pipec.ir import Op
-from runtime.barrier import step_barrier, who_left
-from runtime.faults import Watchdog
-from runtime.interpreter import Handler, StepTrace, run_program
-from runtime.measure import rank_report, summarize, timeline, write
-from runtime.metrics import StepFigures, gather_step
-from runtime.rank import Rank
+from pipec.runtime.barrier import step_barrier, who_left
+from pipec.runtime.faults import Watchdog
+from pipec.runtime.gather import all_gather_objects
+from pipec.runtime.interpreter import Handler, StepTrace, run_program
+from pipec.runtime.measure import rank_report, summarize, timeline, write
+from pipec.runtime.metrics import StepFigures, gather_step
+from pipec.runtime.rank import Rank
 
 #: Steps whose traces a run keeps for OUT/measured/: the last ones. A trace holds every
 #: instruction's times and bytes (~50 KB a step for a rank of 400 instructions): kept for
@@ -95,8 +96,7 @@ def train(
 def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:
     """Gather every rank's measurements; rank 0 writes measured/ and prints the comparison."""
     mine = rank_report(rt.grank, rt.program, rt.peak, traces, rt.device.type)
-    reports: list | None = [None] * rt.world if rt.grank == 0 else None
-    dist.gather_object(mine, reports, dst=0)
+    reports = all_gather_objects(mine, rt.device)
     if rt.grank != 0:
         return
     build = rt.build

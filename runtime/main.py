@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -43,99 +44,31 @@ from pipec.ir import Op, PipecError
 from pipec.progress import progress
 from pipec.provenance import check_model, resolve
 from pipec.run_checks import check_writable
-from runtime import named_state
-from runtime.data import open_source
-from runtime.evaluate import evaluator
-from runtime.faults import DEFAULT_TIMEOUT_S, Watchdog, report
-from runtime.gradcheck import DropoutOff, GradCapture, compare, reference_grads
-from runtime.interpreter import HANDLERS, Handler, check_program
-from runtime.loop import train, warmup_kept, write_measurements
-from runtime.metrics import Metrics, open_metrics
-from runtime.offload import size_moves
-from runtime.optim import NonFinite, Trainer
-from runtime.options import LaunchParser, add_options, changed, effective, parse
-from runtime.rank import Rank, check_runnable
-from runtime.train_options import (
-    add_training_options,
+from pipec.runtime import named_state
+from pipec.runtime.data import open_source
+from pipec.runtime.evaluate import evaluator
+from pipec.runtime.faults import Watchdog, report
+from pipec.runtime.gather import all_gather_objects
+from pipec.runtime.gradcheck import DropoutOff, GradCapture, compare, reference_grads
+from pipec.runtime.interpreter import HANDLERS, Handler, check_program
+from pipec.runtime.loop import train, warmup_kept, write_measurements
+from pipec.runtime.metrics import Metrics, open_metrics
+from pipec.runtime.offload import size_moves
+from pipec.runtime.optim import NonFinite, Trainer
+from pipec.runtime.options import changed, effective, launch_parser, parse_launch
+from pipec.runtime.rank import Rank, check_runnable
+from pipec.runtime.train_options import (
     train_options,
-    training_error,
     zero_error,
 )
 
 #: What a rank's start-up does, by module (pipec.progress: the outermost on the stack names it).
 START_STEPS = (
-    ("runtime.rank", "rebuilding its stages from the factory"),
+    ("pipec.runtime.rank", "rebuilding its stages from the factory"),
     ("pipec.frontend", "building the model from its factory"),
     ("pipec.build_dir", "reading and verifying the build"),
     ("pipec.checkpoint", "reading the checkpoint"),
 )
-
-
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    """launch.py's options, checked (a refusal: one line, exit 2); `pipec run` checks its
-    arguments with it too."""
-    ap = launch_parser()
-    args = parse(ap, argv)
-    if args.steps < 1 or args.timeout <= 0 or args.save_every < 0:
-        ap.error("--steps must be at least 1, --timeout positive, --save-every 0 or more")
-    if args.check_grads and args.save:
-        ap.error("--check-grads runs one step and saves nothing; drop --save")
-    if error := training_error(args):
-        ap.error(error)
-    return args
-
-
-def launch_parser() -> argparse.ArgumentParser:
-    """Every option of launch.py (`--config` files take the same, by their destinations)."""
-    ap = LaunchParser(prog="launch.py", description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
-    ap.add_argument(
-        "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT_S,
-        help="seconds one instruction may wait before the run is called hung "
-        f"({DEFAULT_TIMEOUT_S:g})",
-    )
-    ap.add_argument(
-        "--model", default=None, help="factory spec, if not the plan's (e.g. moved file)"
-    )
-    ap.add_argument(
-        "--backend",
-        choices=("gloo", "nccl"),
-        default=None,
-        help="default: nccl with CUDA (gloo with --share-gpu), else gloo",
-    )
-    ap.add_argument(
-        "--share-gpu",
-        action="store_true",
-        help="the ranks of a node share its GPUs (all of them one GPU on a one-GPU machine): "
-        "gloo, messages through page-locked host memory",
-    )
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads per rank (default: cores / local ranks)",
-    )
-    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic micro-batches")
-    ap.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the medians")
-    ap.add_argument("--save", type=Path, help="write checkpoints to DIR (at the end at least)")
-    ap.add_argument("--save-every", type=int, default=0, help="and every K steps (default: 0)")
-    ap.add_argument(
-        "--resume", type=Path, help="continue from a checkpoint: DIR's newest, or DIR/step_N"
-    )
-    ap.add_argument(
-        "--check-grads",
-        action="store_true",
-        help="one step; compare each stage's gradients with the plain model's; exit 1 if not equal",
-    )
-    ap.add_argument(
-        "--no-verify", action="store_true", help="skip `pipec verify`'s checks (huge builds)"
-    )
-    add_options(ap)
-    add_training_options(ap)
-    return ap
 
 
 @dataclass(frozen=True)
@@ -225,7 +158,7 @@ def main(
     handlers: Mapping[Op, Handler] = HANDLERS,
 ) -> None:
     """Run one rank (RANK, WORLD_SIZE, LOCAL_RANK from torchrun's environment)."""
-    args = _parse(argv)
+    args = parse_launch(argv)
     env = os.environ
     grank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
@@ -297,6 +230,8 @@ def main(
             print(f"pipec runtime: {e}", file=sys.stderr, flush=True)
         code = 3
     except Exception as e:  # noqa: BLE001 - any failure: say where this rank was, then exit
+        if os.environ.get("PIPEC_TRACEBACK"):  # for a bug report: where inside pipec it failed
+            traceback.print_exc()
         report(f"{watchdog.where()}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
     if metrics:
         metrics.close()
@@ -386,8 +321,7 @@ def check_grads(
     with DropoutOff() as off:
         ref = reference_grads(plain.model, plain.loss_fn, batches, rt.device)
     checks = compare(rt.modules, rt.grank, rt.optimizer.grads, ref)
-    everyone: list = [None] * rt.world
-    dist.all_gather_object(everyone, checks)
+    everyone = all_gather_objects(checks, rt.device)
     found = sorted((c for cs in everyone for c in cs), key=lambda c: (c.stage, c.rank))
     bad = sorted({c.stage for c in found if c.error})
     if rt.grank == 0:

@@ -32,13 +32,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from codegen.render import chrome_trace, dump_json
-from passes.costs import CostModel
-from passes.memory_bytes import ByteFacts, RankBytes, at_precision, for_device, predict_peaks
-from passes.simulate import Node, SimResult, Slot, play, simulate
+from pipec.codegen.render import chrome_trace, dump_json
 from pipec.ir import COMPUTE_OPS, Compiled, Instr, Op, op_kinds
-from runtime.interpreter import StepTrace
-from runtime.meter import stash_extras
+from pipec.passes.costs import CostModel
+from pipec.passes.memory_bytes import ByteFacts, RankBytes, at_precision, for_device, predict_peaks
+from pipec.passes.simulate import Node, SimResult, Slot, play, simulate
+from pipec.runtime.interpreter import StepTrace
+from pipec.runtime.meter import stash_extras
 
 MS = 1000.0
 

@@ -40,9 +40,9 @@ from functools import partial
 import torch
 from torch import nn
 
-from passes.memory_bytes import ACTIVATION_SHARE
-from runtime.precision import grad_of
-from runtime.stash import tensors_nbytes
+from pipec.passes.memory_bytes import ACTIVATION_SHARE
+from pipec.runtime.precision import grad_of
+from pipec.runtime.stash import tensors_nbytes
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -209,7 +209,7 @@ def module_extras(
     thread cache held, freed chunks it counts as in use, which would otherwise hide part of
     the growth); then B of one of them, and what its W still needs (0 without the split).
     Returns (host, w_held)."""
-    from runtime import bwsplit
+    from pipec.runtime import bwsplit
 
     if split:
         bwsplit.split_backward(module)

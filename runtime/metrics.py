@@ -31,13 +31,13 @@ import torch.distributed as dist
 
 from pipec.build_dir import MEASURED
 from pipec.ir import Op, Program
-from runtime.optim import PendingStep
+from pipec.runtime.optim import PendingStep
 
 if TYPE_CHECKING:
     from pipec.build_dir import Build
     from pipec.frontend import ModelSpec
-    from runtime.interpreter import StepTrace
-    from runtime.rank import Rank
+    from pipec.runtime.interpreter import StepTrace
+    from pipec.runtime.rank import Rank
 
 #: Dense (no sparsity) peak TFLOP/s of one device by precision, bf16 on the tensor cores and
 #: fp32 without TF32 (torch's default for matmuls), from the vendors' data sheets. The first

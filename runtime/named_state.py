@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipec import checkpoint
-from runtime.optim import Trainer, _Slice
+from pipec.runtime.optim import Trainer, _Slice
 
 
 def _flat(tr: Trainer, per_slice: list[Tensor]) -> Tensor:

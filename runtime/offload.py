@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from passes.simulate import uses_recompute
 from pipec.ir import Instr, Op
-from runtime.p2p import Kind
-from runtime.stash import SavedTensors, Stash, storage_key, tensors_nbytes
+from pipec.passes.simulate import uses_recompute
+from pipec.runtime.p2p import Kind
+from pipec.runtime.stash import SavedTensors, Stash, storage_key, tensors_nbytes
 
 if TYPE_CHECKING:
-    from runtime.rank import Rank
+    from pipec.runtime.rank import Rank
 
 
 _MOVES_OUT = frozenset({Kind.STASH, Kind.STASH_BACK})

@@ -40,11 +40,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from runtime.lr import Schedule
-from runtime.precision import grad_of
+from pipec.runtime.lr import Schedule
+from pipec.runtime.precision import grad_of
 
 if TYPE_CHECKING:
-    from runtime.rank import Rank
+    from pipec.runtime.rank import Rank
 
 OPTIMIZERS = ("adamw", "sgd")
 #: torch.optim's implementations of a step. foreach: one multi-tensor call per operation, the
@@ -85,7 +85,7 @@ class PendingStep:
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """`launch.py`'s optimizer options (see runtime/main.py's `_parse`)."""
+    """`launch.py`'s optimizer options (see runtime/options.py's `parse_launch`)."""
 
     schedule: Schedule
     optimizer: str = "adamw"

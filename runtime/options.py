@@ -1,4 +1,4 @@
-"""launch.py's options for metrics, evaluation and a config file, and the parsing they need.
+"""launch.py's options and their parser, which `pipec run` also checks its arguments with.
 
 `--config FILE.toml` holds launch options as keys: each option's name without the dashes,
 `max_norm` or `max-norm` alike (the parser's own destinations, so every option is covered,
@@ -17,6 +17,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
+
+from pipec.runtime.faults import DEFAULT_TIMEOUT_S
+from pipec.runtime.train_options import add_training_options, training_error
+
+DESCRIPTION = "The runtime's entry point: what OUT/launch.py runs on every rank under torchrun."
 
 #: Options that are not keys of a config file: the file itself, and launch.py's help.
 NOT_KEYS = frozenset({"config", "help"})
@@ -147,3 +152,70 @@ def changed(ap: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     values = effective(ap, args)
     diff = {k: v for k, v in values.items() if v != ap.get_default(k) and k != "config"}
     return " ".join(f"{k}={v}" for k, v in diff.items()) or "launch.py's defaults"
+
+
+def parse_launch(argv: Sequence[str] | None) -> argparse.Namespace:
+    """launch.py's options, checked (a refusal: one line, exit 2); `pipec run` checks its
+    arguments with it too."""
+    ap = launch_parser()
+    args = parse(ap, argv)
+    if args.steps < 1 or args.timeout <= 0 or args.save_every < 0:
+        ap.error("--steps must be at least 1, --timeout positive, --save-every 0 or more")
+    if args.check_grads and args.save:
+        ap.error("--check-grads runs one step and saves nothing; drop --save")
+    if error := training_error(args):
+        ap.error(error)
+    return args
+
+
+def launch_parser() -> argparse.ArgumentParser:
+    """Every option of launch.py (`--config` files take the same, by their destinations)."""
+    ap = LaunchParser(prog="launch.py", description=DESCRIPTION)
+    ap.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds one instruction may wait before the run is called hung "
+        f"({DEFAULT_TIMEOUT_S:g})",
+    )
+    ap.add_argument(
+        "--model", default=None, help="factory spec, if not the plan's (e.g. moved file)"
+    )
+    ap.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="default: nccl with CUDA (gloo with --share-gpu), else gloo",
+    )
+    ap.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="the ranks of a node share its GPUs (all of them one GPU on a one-GPU machine): "
+        "gloo, messages through page-locked host memory",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per rank (default: cores / local ranks)",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic micro-batches")
+    ap.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the medians")
+    ap.add_argument("--save", type=Path, help="write checkpoints to DIR (at the end at least)")
+    ap.add_argument("--save-every", type=int, default=0, help="and every K steps (default: 0)")
+    ap.add_argument(
+        "--resume", type=Path, help="continue from a checkpoint: DIR's newest, or DIR/step_N"
+    )
+    ap.add_argument(
+        "--check-grads",
+        action="store_true",
+        help="one step; compare each stage's gradients with the plain model's; exit 1 if not equal",
+    )
+    ap.add_argument(
+        "--no-verify", action="store_true", help="skip `pipec verify`'s checks (huge builds)"
+    )
+    add_options(ap)
+    add_training_options(ap)
+    return ap

@@ -57,15 +57,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from passes.memory_bytes import post_ahead
-from pipec.ir import Instr, Op
-from runtime.transport import CommStream, Staging, Transport
+from pipec.ir import MAX_TENSORS, Instr, Op
+from pipec.passes.memory_bytes import post_ahead
+from pipec.runtime.transport import CommStream, Staging, Transport
 
 if TYPE_CHECKING:
-    from runtime.rank import Rank
+    from pipec.runtime.rank import Rank
 
 SENDS = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.EVICT, Op.RETURN})  # instructions that send
-MAX_TENSORS = 8  # tensors per message (a stage boundary); each gets its own tag
 Spec = tuple[tuple[int, ...], torch.dtype]  # a receive buffer: shape and dtype
 
 

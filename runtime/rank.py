@@ -23,17 +23,17 @@ from torch import Tensor, nn
 from pipec.build_dir import Build, rank_file
 from pipec.frontend import FrontendError, ModelSpec, build_stages, load_factory
 from pipec.ir import Instr, Op, PipecError
-from runtime.bwsplit import split_backward
-from runtime.data import MicroBatch, Stream, Synthetic, open_source
-from runtime.meter import Meter
-from runtime.p2p import SENDS, Comm, Links
-from runtime.precision import to_bf16
-from runtime.stash import Stash, storage_key
-from runtime.transport import Transport
+from pipec.runtime.bwsplit import split_backward
+from pipec.runtime.data import MicroBatch, Stream, Synthetic, open_source
+from pipec.runtime.meter import Meter
+from pipec.runtime.p2p import SENDS, Comm, Links
+from pipec.runtime.precision import to_bf16
+from pipec.runtime.stash import Stash, storage_key
+from pipec.runtime.transport import Transport
 
 if TYPE_CHECKING:
-    from runtime.interpreter import Positions
-    from runtime.optim import PendingStep, StepNumbers
+    from pipec.runtime.interpreter import Positions
+    from pipec.runtime.optim import PendingStep, StepNumbers
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 

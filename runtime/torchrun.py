@@ -4,8 +4,8 @@ on to every rank and says last what went wrong.
 
 The rendezvous is torchrun's c10d store on 127.0.0.1, port 0 (a free one, so runs and tests of
 several engineers on one machine never collide): a run on this machine listens on no other
-interface (`--standalone` would listen on all of them). The checkout goes on PYTHONPATH so a
-fresh clone runs without installing pipec.
+interface (`--standalone` would listen on all of them). The ranks import pipec as this process
+does: installed, or from a checkout the environment's PYTHONPATH names.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from runtime.faults import GRACE_S
-
-CHECKOUT = Path(__file__).resolve().parents[1]
+from pipec import NO_NUMPY_WARNING
+from pipec.runtime.faults import GRACE_S
 
 
 def torchrun(script: Path, nproc: int, *args: str) -> tuple[list[str], dict[str, str]]:
@@ -34,8 +33,10 @@ def torchrun(script: Path, nproc: int, *args: str) -> tuple[list[str], dict[str,
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", uuid.uuid4().hex,
         "--nproc-per-node", str(nproc), str(script), *args,
     ]  # fmt: skip
-    path = os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))
-    return cmd, os.environ | {"PYTHONPATH": path}
+    # torchrun imports torch before pipec: its numpy warning is silenced here as pipec/__init__.py
+    # silences it in pipec's own processes.
+    warnings = ",".join(filter(None, [NO_NUMPY_WARNING, os.environ.get("PYTHONWARNINGS")]))
+    return cmd, os.environ | {"PYTHONWARNINGS": warnings}
 
 
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")

@@ -7,7 +7,7 @@ as launch.py does (one step, its reference, dropout off in both); rank 0's print
 verdict go to RESULTS_DIR/<rank>.json.
 """
 
-from runtime.faults import take_termination_signals
+from pipec.runtime.faults import take_termination_signals
 
 take_termination_signals()  # before torch starts threads, as launch.py does
 
@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from pipec.build_dir import load
-from runtime.faults import Watchdog
-from runtime.gradcheck import GradCapture
-from runtime.interpreter import HANDLERS
-from runtime.main import Run, check_grads, restore
-from runtime.rank import Rank
+from pipec.runtime.faults import Watchdog
+from pipec.runtime.gradcheck import GradCapture
+from pipec.runtime.interpreter import HANDLERS
+from pipec.runtime.main import Run, check_grads, restore
+from pipec.runtime.rank import Rank
 from tests.runtime_harness import TIMEOUT_S, serve
 
 

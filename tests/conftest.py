@@ -17,6 +17,10 @@ os.environ.setdefault("PIPEC_PROGRESS", "0")
 
 GOLDEN = Path(__file__).parent / "golden"
 ROOT = Path(__file__).resolve().parents[1]
+# The tests' factories and workers import `tests.…` and `examples.…` as packages, also in the
+# ranks torchrun starts: the checkout goes on their PYTHONPATH, as a developer's shell would put
+# it. pipec itself adds nothing (tests/test_wheel.py runs a build without it).
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.getenv("PYTHONPATH")]))
 
 
 def _repository_outputs() -> tuple[list[str], dict]:

@@ -2,11 +2,12 @@
 
 import importlib
 import signal
+import subprocess
 from pathlib import Path
 
-from passes.costs import CostModel, parse_costs
 from pipec import progress
 from pipec.compile import CompileResult, compile_schedule
+from pipec.passes.costs import CostModel, parse_costs
 
 CHUNK_UNITS = "per=chunk"
 """The papers' unit where they count chunk passes: each op of one chunk takes the cost as
@@ -50,3 +51,16 @@ def ticking(monkeypatch, target: str, then=None) -> None:
 
     monkeypatch.setattr(target, tick)
     monkeypatch.setattr(progress, "FIRST_S", 3600.0)
+
+
+def checkout_files(root: Path) -> list[Path]:
+    """What git would commit under `root`: tracked files and new ones it does not ignore
+    (deleted ones left out); links are listed as links."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return [root / f for f in listed if (root / f).exists() or (root / f).is_symlink()]

@@ -1,4 +1,4 @@
-"""Many runtime cases inside ONE torchrun launch (a launch costs ~5 s here; see FACTS.md).
+"""Many runtime cases inside ONE torchrun launch (each launch costs seconds: processes, imports).
 
     torchrun --standalone --nproc-per-node 4 tests/runtime_harness.py CASES.json RESULTS_DIR
 
@@ -13,7 +13,7 @@ with AdamW, compares the first step's gradients with the reference, reports the 
 of the steps after the first (runtime/meter.py) and watches every send (`SendWatch`).
 """
 
-from runtime.faults import take_termination_signals
+from pipec.runtime.faults import take_termination_signals
 
 take_termination_signals()  # before torch starts threads, as launch.py does
 
@@ -29,14 +29,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from pipec.build_dir import load
 from pipec.frontend import load_factory
-from runtime.data import micro_batch
-from runtime.faults import Watchdog
-from runtime.gradcheck import GradCapture, compare, reference_grads
-from runtime.interpreter import HANDLERS
-from runtime.loop import train, write_measurements
-from runtime.p2p import Comm, Kind
-from runtime.rank import Rank
-from runtime.transport import Transport
+from pipec.runtime.data import micro_batch
+from pipec.runtime.faults import Watchdog
+from pipec.runtime.gradcheck import GradCapture, compare, reference_grads
+from pipec.runtime.interpreter import HANDLERS
+from pipec.runtime.loop import train, write_measurements
+from pipec.runtime.p2p import Comm, Kind
+from pipec.runtime.rank import Rank
+from pipec.runtime.transport import Transport
 from tests.capture_reuse import reuse_captures
 
 TIMEOUT_S = 60.0

@@ -1,8 +1,9 @@
 """Run compiled cases in ONE torchrun launch of tests/runtime_harness.py (see its docstring).
 
-A launch costs seconds here (FACTS.md), so a test file compiles all its cases first and runs
-them together; this is the launcher the runtime test files share. `refused` runs one rank of
-launch.py in-process instead, for the refusals that come before any communication.
+A launch costs seconds (processes start, import torch, meet), so a test file compiles all its
+cases first and runs them together; this is the launcher the runtime test files share. `refused`
+runs one rank of launch.py in-process instead, for the refusals that come before any
+communication.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import torch.distributed as dist
 
 from pipec.build_dir import emit
 from pipec.compile import CompileResult
-from runtime.interpreter import HANDLERS
-from runtime.main import main
-from runtime.torchrun import torchrun
+from pipec.runtime.interpreter import HANDLERS
+from pipec.runtime.main import main
+from pipec.runtime.torchrun import torchrun
 
 HARNESS = Path(__file__).resolve().parent / "runtime_harness.py"
 

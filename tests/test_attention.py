@@ -29,13 +29,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pipec.frontend import ModelSpec, load_factory, split_model
 from pipec.frontend.blocks import find_blocks
-from runtime.kernels import attention
+from pipec.runtime.kernels import attention
 
-flash = sys.modules["runtime.kernels.flash"]
-dispatch = sys.modules["runtime.kernels.attention"]
+flash = sys.modules["pipec.runtime.kernels.flash"]
+dispatch = sys.modules["pipec.runtime.kernels.attention"]
 if DEVICE == "cpu" and not flash.INTERPRET:
     pytest.skip(
-        "runtime.kernels was imported (by an earlier test module) before this module set "
+        "pipec.runtime.kernels was imported (by an earlier test module) before this module set "
         "TRITON_INTERPRET=1, so its kernels cannot run on CPU; run this file on its own or with "
         "TRITON_INTERPRET=1 in the environment",
         allow_module_level=True,

@@ -15,13 +15,13 @@ from collections import deque
 
 import pytest
 
-from passes.batches import MOVES_OUT, batch_ends, message_batches
-from passes.execution import counterpart
-from passes.memory_bytes import ALLOCATES
-from passes.registry import SCHEDULES, family
-from passes.rendezvous import MESSAGE_OPS
 from pipec.compile import CompileResult
 from pipec.ir import COMPUTE_OPS, TO_PEER_OPS, Compiled, Instr, Layout, Op, Pipeline
+from pipec.passes.batches import MOVES_OUT, batch_ends, message_batches
+from pipec.passes.execution import counterpart
+from pipec.passes.memory_bytes import ALLOCATES
+from pipec.passes.registry import SCHEDULES, family
+from pipec.passes.rendezvous import MESSAGE_OPS
 from tests.helpers import run
 
 family("1f1b")  # registers the built-in families

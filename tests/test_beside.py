@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from passes.verify import VerifyError
 from pipec import beside as beside_module
 from pipec import build_dir
 from pipec.beside import beside
 from pipec.build_dir import emit
 from pipec.compile import package
 from pipec.ir import Compiled, Op, PipecError
+from pipec.passes.verify import VerifyError
 from tests.helpers import run
 
 FORKED = beside_module.MIN_FORKED_WORK  # work at which beside forks

@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from codegen import render
-from codegen.render import measured_table, render_svg
-from passes.stash_timeline import stash_over_time
 from pipec.build_dir import ESTIMATE_NOTE, chart_facts, time_unit
+from pipec.codegen import render
+from pipec.codegen.render import measured_table, render_svg
+from pipec.passes.stash_timeline import stash_over_time
 from tests.helpers import run
 from tests.test_cli import ROOT, cli_run
 

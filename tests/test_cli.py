@@ -107,13 +107,20 @@ def test_the_pipec_command_exits_with_the_commands_code_and_its_output_flushed(t
         (["-s", "1f1b", "-p", "4", "-m", "8", "--costs", "F=x"], "--costs: cannot read 'F=x'"),
         (["-s", "1f1b", "-p", "4", "-m", "8", "--costs", "F=-1"], "must not be negative"),
         (["-s", "1f1b", "-p", "4", "-m", "8", "--costs", "F=1:2"], "has 2 values"),
-        (["-s", "1f1b", "-p", "4"], "Missing option '--microbatches'"),
+        (["-s", "1f1b", "-m", "8"], "Missing option '--pp'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert cli_run("simulate", *args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_m_defaults_to_four_per_rank_and_says_so(capsys):
+    assert cli_run("simulate", "-s", "1f1b", "-p", "3", "--json") == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["m"] == 12
+    assert err == "pipec: -m not given: 12 micro-batches (4p)\n"
 
 
 def test_existing_output_needs_force(tmp_path, capsys):

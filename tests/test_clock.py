@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pipec.ir import Instr, Op
-from runtime import clock
-from runtime.interpreter import run_program
+from pipec.runtime import clock
+from pipec.runtime.interpreter import run_program
 
 WORK_S = 0.05  # GPU seconds each instruction queues: far above a handler's own host time
 TICK_S = 1e-6  # host seconds that pass at each reading of the clock

@@ -18,11 +18,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from pipec.compile import compile_schedule
 from pipec.ir import Op
 from pipec.model import compile_model
-from runtime import offload, p2p
-from runtime import rank as rank_module
-from runtime.p2p import Comm, Kind, Links
-from runtime.rank import Rank
-from runtime.transport import CommStream, Transport
+from pipec.runtime import offload, p2p
+from pipec.runtime import rank as rank_module
+from pipec.runtime.p2p import Comm, Kind, Links
+from pipec.runtime.rank import Rank
+from pipec.runtime.transport import CommStream, Transport
 
 ROOT = Path(__file__).resolve().parents[1]
 NCCL = Transport("nccl")

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from passes.registry import SCHEDULES, family
 from pipec.compile import compile_schedule
 from pipec.frontend import load_factory, measure_stash_bytes, split_model
-from pipec.frontend.direct import direct_calls
 from pipec.ir import Op
 from pipec.model import compile_model
+from pipec.passes.registry import SCHEDULES, family
+from pipec.runtime.direct import direct_calls
 from tests.test_cli import cli_run
 
 ROOT = Path(__file__).resolve().parents[1]

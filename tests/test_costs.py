@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from plan_synthetic import synthetic_profile
 
-from passes.costs import CostModel, parse_costs
-from passes.registry import SCHEDULES, Request, family
 from pipec.compile import compile_schedule
 from pipec.ir import PipecError
 from pipec.model import MS_PER_S, compile_model
+from pipec.passes.costs import CostModel, parse_costs
+from pipec.passes.registry import SCHEDULES, Request, family
 from pipec.plan.candidates import price
 from tests.helpers import CHUNK_UNITS, peaks, run
 from tests.test_cli import cli_run

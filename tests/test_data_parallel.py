@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from passes.costs import CostModel
-from passes.verify import VerifyError, verify
 from pipec.compile import compile_schedule
 from pipec.ir import Compiled, Op
+from pipec.passes.costs import CostModel
+from pipec.passes.verify import VerifyError, verify
 
 
 def _dp_build(schedule: str = "1f1b", dp: int = 2) -> Compiled:

@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from passes.verify import VerifyError, verify
 from pipec.ir import Instr, Op
+from pipec.passes.verify import VerifyError, verify
 from tests.helpers import run
 from tests.test_cli import cli_run
 

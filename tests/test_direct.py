@@ -1,4 +1,4 @@
-"""pipec/frontend/direct.py: a stage executed through torch's bindings and the direct attention
+"""runtime/direct.py: a stage executed through torch's bindings and the direct attention
 computes what the captured graph computes, bit for bit where the kernels are the same."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 from torch import fx
 
 from pipec.frontend import build_stages
-from pipec.frontend.direct import DIRECT, direct_calls
-from runtime.kernels.attention import direct
+from pipec.runtime.direct import DIRECT, direct_calls
+from pipec.runtime.kernels.attention import direct
 
 aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,6 +29,10 @@ How the docs mark their commands:
 
 A file that the docs name in backticks (`bench/x.py`) must exist, unless a comment
 `<!-- planned: bench/x.py ... -->` in that document lists it as one that is being written.
+So must every file the code names (in comments, docstrings and messages): a path from a folder
+of the checkout (`runtime/p2p.py`, `docs/design.md`) or a document by name (`training.md`,
+looked up at the top and in docs/); a stem that is one letter or all capitals (`bench/NAME.py`)
+is a placeholder.
 """
 
 from __future__ import annotations
@@ -279,14 +283,15 @@ def _run_transcript(cmd: Command) -> str | None:
     `training_line`), and its steps must count to --steps."""
     if not cmd.output:
         return None
-    from runtime.main import _parse, training_line
+    from pipec.runtime.main import training_line
+    from pipec.runtime.options import parse_launch
 
     launch = cmd.argv[2:]
     if "--nproc" in launch:  # pipec run's own option, not launch.py's
         k = launch.index("--nproc")
         launch = launch[:k] + launch[k + 2 :]
     try:
-        args = _parse(launch)
+        args = parse_launch(launch)
     except SystemExit:
         return f"launch.py refuses {launch}"
     if args.check_grads:
@@ -453,3 +458,65 @@ def test_the_python_that_loads_a_checkpoint_runs(tmp_path: Path, monkeypatch) ->
 
 if __name__ == "__main__":
     serve()
+
+
+CODE_PATH = re.compile(
+    r"(?<![\w/.-])((?:docs|bench|tests|examples|pipec|passes|runtime|codegen)/[\w/.-]*\w"
+    r"\.(?:py|md|j2|jsonl|json|toml|pipe|txt|csv))(?!\w)"
+)
+CODE_DOC = re.compile(r"(?<![\w/.-])([\w-]+\.md)\b")
+
+
+def _source_files() -> list[Path]:
+    from tests.helpers import checkout_files
+
+    paths = checkout_files(ROOT)
+    code = [p for p in paths if p.suffix in (".py", ".j2", ".toml") or p.name == "Makefile"]
+    return [p for p in code if p.is_file() and not p.is_symlink()]
+
+
+def missing_references(text: str) -> list[str]:
+    """The files `text` (a source file) names that the checkout does not hold."""
+    missing = []
+    for name in CODE_PATH.findall(text):
+        stem = Path(name).stem
+        if len(stem) > 1 and not stem.isupper() and not (ROOT / name).exists():
+            missing.append(name)
+    for name in CODE_DOC.findall(text):
+        if not ((ROOT / name).exists() or (ROOT / "docs" / name).exists()):
+            missing.append(name)
+    return missing
+
+
+def test_every_file_the_code_names_exists() -> None:
+    gone, facts = "runtime/" + "gone.py", "FACTS" + ".md"  # not named in this file itself
+    planted = f'"""See {facts}, {gone} and training.md; bench/NAME.py is a placeholder."""'
+    assert missing_references(planted) == [gone, facts]
+    missing = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in _source_files()
+        for name in missing_references(path.read_text())
+    ]
+    assert not missing, "the code names files the checkout does not hold:\n" + "\n".join(missing)
+
+
+def test_the_reference_is_what_the_parsers_say() -> None:
+    from pipec.reference import render
+
+    page = ROOT / "docs" / "reference.md"
+    assert page.read_text() == render(), (
+        "docs/reference.md differs from the parsers: python -m pipec.reference docs/reference.md"
+    )
+    assert "### pipec compile" in page.read_text() and "| `--steps STEPS` |" in page.read_text()
+
+
+def test_the_readme_reads_in_five_minutes() -> None:
+    words = len(re.findall(r"\S+", (ROOT / "README.md").read_text()))
+    assert words <= 1000, f"README.md has {words} words; move depth to docs/"
+
+
+def test_the_set_up_quotes_no_suite_time() -> None:
+    """A duration of the suite pasted by hand goes stale with the next test."""
+    pasted = re.compile(r"\d+ passed|make test` takes \d+|\d+(-\d+)? minutes on 2 cores")
+    for path in [ROOT / "README.md", ROOT / "Makefile"]:
+        assert not pasted.search(path.read_text()), f"{path.relative_to(ROOT)} quotes a suite time"

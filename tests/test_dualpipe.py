@@ -3,10 +3,10 @@
 import pytest
 from torch.distributed.pipelining.schedules import ScheduleDualPipeV, _Action, _ComputationType
 
-from passes.registry import Request, build_schedule
-from passes.simulate import SimResult, simulate
 from pipec.compile import CompileResult
 from pipec.ir import Instr, Op
+from pipec.passes.registry import Request, build_schedule
+from pipec.passes.simulate import SimResult, simulate
 from tests.helpers import CHUNK_UNITS, peaks, run
 
 TORCH_OP = {

@@ -9,16 +9,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from passes.forward_only import FORWARD_OPS, forward_only, verify_forward
-from passes.registry import SCHEDULES, family
-from passes.verify import VerifyError
 from pipec.build_dir import check_build, emit, eval_file, load
 from pipec.frontend import load_factory
 from pipec.ir import Instr, Op, PipecError
 from pipec.model import compile_model
-from runtime.evaluate import evaluate
-from runtime.faults import Watchdog
-from runtime.rank import Rank
+from pipec.passes.forward_only import FORWARD_OPS, forward_only, verify_forward
+from pipec.passes.registry import SCHEDULES, family
+from pipec.passes.verify import VerifyError
+from pipec.runtime.evaluate import evaluate
+from pipec.runtime.faults import Watchdog
+from pipec.runtime.rank import Rank
 from tests.helpers import run
 from tests.train_factories import held_out
 

@@ -5,16 +5,16 @@ from dataclasses import replace
 
 import pytest
 
-from passes.costs import CostModel
-from passes.evict import EvictionPlanner, insert_evictions, smallest_feasible_limit
-from passes.lower import lower
-from passes.registry import Request, build_schedule
-from passes.simulate import simulate
-from passes.topology import make_topology
-from passes.verify import verify
 from pipec.build_dir import render_files
 from pipec.compile import compile_schedule
 from pipec.ir import Op, PipecError
+from pipec.passes.costs import CostModel
+from pipec.passes.evict import EvictionPlanner, insert_evictions, smallest_feasible_limit
+from pipec.passes.lower import lower
+from pipec.passes.registry import Request, build_schedule
+from pipec.passes.simulate import simulate
+from pipec.passes.topology import make_topology
+from pipec.passes.verify import verify
 from tests.helpers import peaks
 
 

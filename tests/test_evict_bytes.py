@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from passes.costs import CostModel
-from passes.evict import EvictionPlanner
-from passes.lower import lower
-from passes.registry import Request, build_schedule
-from passes.verify import VerifyError
 from pipec.compile import compile_schedule
 from pipec.ir import Op, PipecError
+from pipec.passes.costs import CostModel
+from pipec.passes.evict import EvictionPlanner
+from pipec.passes.lower import lower
+from pipec.passes.registry import Request, build_schedule
+from pipec.passes.verify import VerifyError
 from tests.test_cli import cli_run
 
 # Uneven stages, so that a byte limit is not a stash limit in disguise: the acceptor of rank

@@ -12,15 +12,15 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from passes.costs import CostModel
-from passes.evict import EvictionPlanner
-from passes.lower import lower
-from passes.mapping import PLACEMENTS, remap
-from passes.registry import SCHEDULES, Request, build_schedule, family
-from passes.simulate import simulate
-from passes.topology import make_topology
-from passes.verify import verify
 from pipec.ir import PipecError
+from pipec.passes.costs import CostModel
+from pipec.passes.evict import EvictionPlanner
+from pipec.passes.lower import lower
+from pipec.passes.mapping import PLACEMENTS, remap
+from pipec.passes.registry import SCHEDULES, Request, build_schedule, family
+from pipec.passes.simulate import simulate
+from pipec.passes.topology import make_topology
+from pipec.passes.verify import verify
 
 family("1f1b")  # registers the built-in families
 

@@ -4,13 +4,13 @@ from dataclasses import replace
 
 import pytest
 
-from passes.costs import CostModel
-from passes.evict import insert_evictions
-from passes.residency import check_residency
-from passes.simulate import simulate
-from passes.topology import make_topology
-from passes.verify import VerifyError, verify
 from pipec.ir import Compiled, Instr, Layout, Op, Pipeline
+from pipec.passes.costs import CostModel
+from pipec.passes.evict import insert_evictions
+from pipec.passes.residency import check_residency
+from pipec.passes.simulate import simulate
+from pipec.passes.topology import make_topology
+from pipec.passes.verify import VerifyError, verify
 from tests.test_evict import lowered
 
 EVICT, LOAD, ACCEPT, RETURN = Op.EVICT, Op.LOAD, Op.ACCEPT, Op.RETURN

@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from codegen import render
-from codegen.render import chrome_trace, render_svg, trace_json
 from pipec.build_dir import chart_facts
+from pipec.codegen import render
+from pipec.codegen.render import chrome_trace, render_svg, trace_json
 from pipec.ir import Instr, Op, op_kinds
 from tests.helpers import run
 
@@ -57,8 +57,8 @@ def test_op_kinds_follows_mutable_programs_and_keeps_tuples():
 def test_a_send_before_its_producer_is_caught():
     from dataclasses import replace
 
-    from passes.execution import check_execution
-    from passes.verify import VerifyError
+    from pipec.passes.execution import check_execution
+    from pipec.passes.verify import VerifyError
 
     compiled = run("1f1b", 2, 2).compiled
     first = compiled.programs[0]
@@ -75,8 +75,8 @@ def test_a_send_before_its_producer_is_caught():
 def test_execution_alone_refuses_a_stage_the_layout_lacks(stage):
     from dataclasses import replace
 
-    from passes.execution import check_execution
-    from passes.verify import VerifyError
+    from pipec.passes.execution import check_execution
+    from pipec.passes.verify import VerifyError
 
     compiled = run("1f1b", 2, 2).compiled
     first = (Instr(Op.F, stage, 0), *compiled.programs[0])

@@ -127,7 +127,7 @@ def test_progress_names_the_outermost_step():
         eval(code, namespace)
         return namespace["call"]
 
-    here = frame_in("passes.simulate", lambda: sys._getframe())
+    here = frame_in("pipec.passes.simulate", lambda: sys._getframe())
     assert progress.step_of(here()) == "simulating"
     writing = frame_in("pipec.build_dir", here)
     assert progress.step_of(writing()) == "writing the files"

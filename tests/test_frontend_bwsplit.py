@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipec.frontend import load_factory, split_model
-from runtime.bwsplit import B, W, split_backward, split_linear
+from pipec.runtime.bwsplit import B, W, split_backward, split_linear
 
 ROOT = Path(__file__).resolve().parents[1]
 N_STAGES = 3

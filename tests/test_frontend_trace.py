@@ -9,7 +9,7 @@ import torch
 
 from pipec.frontend import FrontendError, ModelSpec, build_model_plan, load_factory, split_model
 from pipec.frontend.trace import export, trace
-from runtime.kernels import attention
+from pipec.runtime.kernels import attention
 
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN = Path(__file__).resolve().parent / "frontend_models" / "broken.py"

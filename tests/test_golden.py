@@ -6,8 +6,8 @@ adds shapes that matter. `pytest --update-golden` rewrites them; review the diff
 
 import pytest
 
-from passes.registry import SCHEDULES, family
 from pipec.build_dir import render_files
+from pipec.passes.registry import SCHEDULES, family
 from tests.helpers import run
 
 family("1f1b")  # registers the built-in families

@@ -33,7 +33,7 @@ from pipec.compile import plan_hash
 from pipec.frontend import load_factory
 from pipec.ir import PipecError
 from pipec.model import compile_model
-from runtime.torchrun import _descendants, torchrun
+from pipec.runtime.torchrun import _descendants, torchrun
 from tests.runtime_launch import said_by_rank_0
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,12 +21,12 @@ from pipec.build_dir import emit, load
 from pipec.compile import compile_schedule
 from pipec.ir import Op
 from pipec.model import compile_model
-from runtime.faults import Watchdog
-from runtime.interpreter import HANDLERS, QUIET, run_program
-from runtime.meter import FULL_EVERY, Meter
-from runtime.p2p import Comm
-from runtime.rank import Rank
-from runtime.transport import Transport
+from pipec.runtime.faults import Watchdog
+from pipec.runtime.interpreter import HANDLERS, QUIET, run_program
+from pipec.runtime.meter import FULL_EVERY, Meter
+from pipec.runtime.p2p import Comm
+from pipec.runtime.rank import Rank
+from pipec.runtime.transport import Transport
 
 #: Python-level calls (functions and builtins) per instruction, the handler's own included.
 #: The loop makes 5 to 6 (two host-clock readings, the handler, the poll, the meter); it made

@@ -1,4 +1,4 @@
-"""The tree is ruff-clean (STYLE.md 9): a lint finding or an unformatted file fails the suite,
+"""The tree is ruff-clean: a lint finding or an unformatted file fails the suite,
 not a later review.
 
 ruff is pinned in the `test` extra, so CI and every checkout lint with the same rules.

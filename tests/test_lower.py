@@ -5,8 +5,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from passes.registry import SCHEDULES, family
 from pipec.ir import COMPUTE_OPS, Instr, Op
+from pipec.passes.registry import SCHEDULES, family
 from tests.helpers import run
 
 family("1f1b")  # registers the built-in families

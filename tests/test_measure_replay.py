@@ -8,7 +8,7 @@ makespan / replay above 1 by exactly the wait."""
 import pytest
 
 from pipec.ir import COMPUTE_OPS
-from runtime.measure import RankReport, replayed_ms, summarize
+from pipec.runtime.measure import RankReport, replayed_ms, summarize
 from tests.helpers import run
 
 CASES = [

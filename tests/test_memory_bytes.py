@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from passes.costs import CostModel
-from passes.memory_bytes import ByteFacts, post_points, predict_peaks
-from passes.simulate import simulate
 from pipec.compile import compile_schedule
 from pipec.ir import Op
 from pipec.model import compile_model
+from pipec.passes.costs import CostModel
+from pipec.passes.memory_bytes import ByteFacts, post_points, predict_peaks
+from pipec.passes.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 COSTS = CostModel(stash_bytes=(1000.0, 2000.0), input_bytes=(100.0, 100.0))

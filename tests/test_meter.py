@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.meter import Meter
+from pipec.runtime.meter import Meter
 
 MIB = 1 << 20
 

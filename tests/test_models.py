@@ -16,7 +16,7 @@ import torch
 
 from pipec.cli import main as pipec_main
 from pipec.frontend import ModelSpec, build_model_plan, load_factory, split_model
-from runtime.torchrun import torchrun
+from pipec.runtime.torchrun import torchrun
 from tests.runtime_launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from passes.costs import CostModel
-from passes.schedules.vbest import makespan, peak, shortest
-from passes.schedules.vshape import reference_orders, v_half_slots, v_min_slots
-from passes.schedules.zbv_fixed import zbv_orders
+from pipec.passes.costs import CostModel
+from pipec.passes.schedules.vbest import makespan, peak, shortest
+from pipec.passes.schedules.vshape import reference_orders, v_half_slots, v_min_slots
+from pipec.passes.schedules.zbv_fixed import zbv_orders
 from pipec.torch_orders import torch_order
 
 _spec = importlib.util.spec_from_file_location(

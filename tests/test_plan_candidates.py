@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 from plan_synthetic import INPUT_PER_SAMPLE, PARAMS, STASH_PER_SAMPLE, synthetic_profile
 
-from codegen.render import format_bytes
+from pipec.codegen.render import format_bytes
 from pipec.ir import PipecError
 from pipec.plan import candidates
 from pipec.plan.candidates import STRATEGIES, PlanRequest

@@ -7,10 +7,10 @@ what F left; each crosses its link in latency + bytes / bandwidth (bytes per sec
 import pytest
 from plan_synthetic import INPUT_PER_SAMPLE, N_BLOCKS, STASH_PER_SAMPLE, synthetic_profile
 
-from passes.registry import Request, build_schedule
-from passes.topology import Link, Topology
 from pipec.compile import compile_schedule
 from pipec.ir import Op, PipecError
+from pipec.passes.registry import Request, build_schedule
+from pipec.passes.topology import Link, Topology
 from pipec.plan.candidates import PlanRequest, cost_model
 from pipec.plan.driver import machine, plan_profile
 

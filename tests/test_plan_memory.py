@@ -4,11 +4,11 @@ CLI reads them."""
 
 import pytest
 
-from codegen.render import format_bytes
-from passes.memory_bytes import GLOO_RECV_HOST_BYTES, optimizer_bytes
-from passes.registry import Request, build_schedule, family
+from pipec.codegen.render import format_bytes
 from pipec.compile import compile_schedule
 from pipec.ir import PipecError
+from pipec.passes.memory_bytes import GLOO_RECV_HOST_BYTES, optimizer_bytes
+from pipec.passes.registry import Request, build_schedule, family
 from pipec.plan.candidates import cost_model
 from pipec.plan.facts import FBW, Chunks
 from pipec.plan.memory import parse_bytes, predicted, stash_limit

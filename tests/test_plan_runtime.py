@@ -20,7 +20,7 @@ from pipec.plan.build import compile_candidate
 from pipec.plan.candidates import PlanRequest
 from pipec.plan.driver import plan_profile
 from pipec.plan.memory import predicted
-from runtime.measure import predicted_peaks
+from pipec.runtime.measure import predicted_peaks
 from tests.runtime_launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]

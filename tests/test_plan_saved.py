@@ -14,11 +14,11 @@ import pytest
 from plan_synthetic import synthetic_profile
 from test_cli import cli_run
 
-from passes.memory_bytes import for_device, predict_peaks
-from passes.simulate import simulate
 from pipec.build_dir import load
 from pipec.compile import compile_schedule
 from pipec.ir import PipecError
+from pipec.passes.memory_bytes import for_device, predict_peaks
+from pipec.passes.simulate import simulate
 from pipec.plan import saved as saved_mod
 from pipec.plan.build import command_line
 from pipec.plan.candidates import PlanRequest, evaluate_one

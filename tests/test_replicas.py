@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from passes.costs import CostModel, parse_costs
-from passes.simulate import simulate
-from passes.verify import VerifyError, verify
 from pipec.ir import Instr, Op, PipecError
+from pipec.passes.costs import CostModel, parse_costs
+from pipec.passes.simulate import simulate
+from pipec.passes.verify import VerifyError, verify
 from tests.helpers import run
 
 SYNC = Op.ALLREDUCE_GRADS

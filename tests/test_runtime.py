@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from passes.costs import CostModel
-from passes.lower import lower
-from passes.registry import SCHEDULES, family
 from pipec.cli import main as pipec_main
 from pipec.compile import CompileResult, Options, package
 from pipec.frontend import build_model_plan, load_factory
 from pipec.ir import Instr, Layout, Op, Pipeline, Schedule
 from pipec.model import compile_model, model_costs
+from pipec.passes.costs import CostModel
+from pipec.passes.lower import lower
+from pipec.passes.registry import SCHEDULES, family
 from tests.runtime_launch import launch
 from tests.test_evict_grid import EVICT_SCHEDULES
 

@@ -21,7 +21,7 @@ import torch
 
 from pipec.build_dir import emit
 from pipec.model import compile_model
-from runtime.torchrun import torchrun
+from pipec.runtime.torchrun import torchrun
 from tests.runtime_launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]

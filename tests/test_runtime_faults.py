@@ -25,9 +25,9 @@ import torch.distributed as dist
 from pipec.build_dir import emit, load
 from pipec.ir import Op, PipecError
 from pipec.model import compile_model
-from runtime.barrier import BARRIER_SHARE, step_barrier, who_left
-from runtime.interpreter import HANDLERS, check_program
-from runtime.torchrun import torchrun
+from pipec.runtime.barrier import BARRIER_SHARE, step_barrier, who_left
+from pipec.runtime.interpreter import HANDLERS, check_program
+from pipec.runtime.torchrun import torchrun
 from tests.runtime_launch import refused, said_by_rank_0
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ sent buffer outlives its completed send; --evict lowers rank 0's real peak by at
 the predicted saving and raises its acceptor's by at most its predicted share plus 10%.
 
 V-Min at p=8: it holds (p+4)//3 micro-batch stashes on its busiest rank and 1F1B p
-(ALGORITHMS.md); rank 0 keeps one fewer, 3 of 8. Its real activation bytes on rank 0 (the real
+(docs/memory.md); rank 0 keeps one fewer, 3 of 8. Its real activation bytes on rank 0 (the real
 peak less parameters, gradients and optimizer state) are at most 0.45x 1F1B's, and the stash
 counter (autograd's saved bytes) matches the simulator and stays under 0.4x.
 """
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from passes.memory_bytes import RankBytes
 from pipec.compile import CompileResult
 from pipec.ir import Op
 from pipec.model import compile_model
-from runtime.measure import predicted_peaks
+from pipec.passes.memory_bytes import RankBytes
+from pipec.runtime.measure import predicted_peaks
 from tests.runtime_launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]

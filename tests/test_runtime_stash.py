@@ -12,8 +12,8 @@ from pipec.build_dir import emit
 from pipec.frontend import load_factory, measure_stash_bytes, split_model
 from pipec.ir import Op
 from pipec.model import compile_model
-from runtime.stash import SavedTensors, storage_key
-from runtime.torchrun import torchrun
+from pipec.runtime.stash import SavedTensors, storage_key
+from pipec.runtime.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT}/examples/gpt.py:tiny"

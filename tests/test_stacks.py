@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import pipec.frontend.plan
-from codegen.partition import partition_text
 from pipec.cli import main as pipec_main
+from pipec.codegen.partition import partition_text
 from pipec.frontend import FrontendError, ModelPlan, ModelSpec, build_model_plan
 from pipec.frontend.blocks import find_blocks
 from tests.runtime_launch import launch

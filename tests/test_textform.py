@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from codegen.render import render_program
+from pipec.codegen.render import render_program
 from pipec.ir import Instr, Op, PipecError
 from pipec.textform import Header, parse_program
 

@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from passes.costs import CostModel, parse_mem
-from passes.mapping import mirror_pairs, pair_adjacent, remap
-from passes.registry import Request, build_schedule
-from passes.topology import Link, Topology, make_topology, parse_links
 from pipec.compile import compile_schedule
 from pipec.ir import PipecError
+from pipec.passes.costs import CostModel, parse_mem
+from pipec.passes.mapping import mirror_pairs, pair_adjacent, remap
+from pipec.passes.registry import Request, build_schedule
+from pipec.passes.topology import Link, Topology, make_topology, parse_links
 from tests.helpers import run
 from tests.test_cli import cli_run
 

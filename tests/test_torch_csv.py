@@ -4,12 +4,12 @@ import re
 
 import pytest
 
-from passes.costs import CostModel
-from passes.from_torch import schedule_from_torch
-from passes.registry import SCHEDULES, family
-from passes.to_torch import torch_rows
 from pipec.interop import compile_torch_csv
 from pipec.ir import COMPUTE_OPS, Instr, Op, PipecError
+from pipec.passes.costs import CostModel
+from pipec.passes.from_torch import schedule_from_torch
+from pipec.passes.registry import SCHEDULES, family
+from pipec.passes.to_torch import torch_rows
 from pipec.torch_csv import Action, parse_cell, read_csv, write_csv
 from tests.helpers import run
 from tests.test_cli import cli_run

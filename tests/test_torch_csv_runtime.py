@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from passes.costs import CostModel
 from pipec.build_dir import emit
 from pipec.interop import compile_torch_class, export_torch_csv
+from pipec.passes.costs import CostModel
 from tests.helpers import run
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,13 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from passes.costs import CostModel, parse_costs
-from passes.registry import SCHEDULES, family
-from passes.to_torch import torch_rows
-from passes.verify import verify
 from pipec.compile import compile_schedule
 from pipec.interop import compile_torch_class, compile_torch_csv
 from pipec.ir import PipecError
+from pipec.passes.costs import CostModel, parse_costs
+from pipec.passes.registry import SCHEDULES, family
+from pipec.passes.to_torch import torch_rows
+from pipec.passes.verify import verify
 from pipec.torch_csv import write_csv
 from pipec.torch_orders import CLASSES
 from tests.helpers import peaks, run
@@ -92,7 +92,7 @@ def test_torch_orders_equal_pipecs_own(cls, v, name, p, m, costs):
 
 
 def test_1f1b_last_rank_numbering_is_fixed_and_said(capsys):
-    """torch 2.13 prints Schedule1F1B's last rank as F1..Fm (FACTS.md); torch's own validator
+    """torch 2.13 prints Schedule1F1B's last rank as F1..Fm (docs/interop.md); torch's own validator
     rejects that order; pipec renumbers it, says so, and gets pipec's 1f1b."""
     raw = torch_schedules.Schedule1F1B(_stub(0, 4, 4), 8).pipeline_order
     assert [a.microbatch_index for a in raw[3] if a and a.computation_type.value == "F"] == list(
@@ -138,7 +138,7 @@ def test_pipecs_family_is_never_longer_than_torchs_order(cls, v, name, p, m, cos
 @pytest.mark.parametrize(
     "cls, p, m, unit, gpt15",
     [
-        # makespan at unit costs and at the 1.5B costs; README_INTEROP.md lists and explains them
+        # makespan at unit costs and at the 1.5B costs; docs/interop.md lists and explains them
         ("ScheduleInterleavedZeroBubble", 4, 8, 51, 826.549),
         ("ScheduleZBVZeroBubble", 4, 8, 51, 798.102),
         ("ScheduleDualPipeV", 4, 8, 51, 824.145),

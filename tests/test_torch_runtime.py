@@ -17,8 +17,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from passes.costs import CostModel
-from passes.registry import Request, build_schedule, family
 from pipec.build_dir import emit, load
 from pipec.cli import main as pipec_main
 from pipec.compile import compile_schedule
@@ -26,6 +24,8 @@ from pipec.frontend import load_factory
 from pipec.interop import export_torch_csv
 from pipec.ir import PipecError
 from pipec.model import compile_model, model_costs, model_plan
+from pipec.passes.costs import CostModel
+from pipec.passes.registry import Request, build_schedule, family
 from pipec.torch_runtime import schedule, stage_modules
 from pipec.torchtitan import placement
 from tests.helpers import run

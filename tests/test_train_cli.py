@@ -22,7 +22,7 @@ from pipec.frontend import load_factory
 from pipec.ir import PipecError
 from pipec.model import compile_model
 from pipec.provenance import resolve
-from runtime.torchrun import _Condense, torchrun
+from pipec.runtime.torchrun import _Condense, torchrun
 from tests.helpers import ticking
 from tests.runtime_launch import refused, said_by_rank_0
 
@@ -185,7 +185,7 @@ def test_rank_0_says_what_its_start_up_is_doing(build, monkeypatch, capsys):
         raise PipecError("stopped after one tick")
 
     monkeypatch.setenv("PIPEC_PROGRESS", "1")
-    ticking(monkeypatch, "runtime.main.check_runnable", stop)
+    ticking(monkeypatch, "pipec.runtime.main.check_runnable", stop)
     err = refused(build, monkeypatch, capsys).splitlines()
     assert re.fullmatch(r"pipec: rank 0 of 4 starting: \d+ s so far", err[0])
     assert err[1:] == ["pipec runtime: stopped after one tick"]

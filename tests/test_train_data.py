@@ -11,7 +11,7 @@ import torch
 
 from pipec.frontend import FrontendError, ModelSpec, load_factory, next_token_loss
 from pipec.ir import PipecError
-from runtime.data import Stream, open_source
+from pipec.runtime.data import Stream, open_source
 
 ROOT = Path(__file__).resolve().parents[1]
 X = torch.arange(8).reshape(2, 4)  # one micro-batch: 2 rows

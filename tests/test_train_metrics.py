@@ -19,9 +19,9 @@ import torch
 from pipec.build_dir import emit, load
 from pipec.frontend import load_factory
 from pipec.model import compile_model
-from runtime.main import _parse
-from runtime.metrics import batch_unit, known_peak_tflops, program_flops
-from runtime.torchrun import torchrun
+from pipec.runtime.metrics import batch_unit, known_peak_tflops, program_flops
+from pipec.runtime.options import parse_launch
+from pipec.runtime.torchrun import torchrun
 from tests.runtime_launch import said_by_rank_0
 from tests.train_factories import CONFIG, copying_data, held_out
 
@@ -157,7 +157,7 @@ def test_tensorboard_events_hold_the_metrics(run):
 
 def _refusal(capsys, *argv: str) -> str:
     with pytest.raises(SystemExit) as e:
-        _parse(list(argv))
+        parse_launch(list(argv))
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
@@ -167,7 +167,7 @@ def _refusal(capsys, *argv: str) -> str:
 def test_config_keys_and_their_refusals(tmp_path, capsys):
     f = tmp_path / "c.toml"
     f.write_text('steps = 7\nsave-every = 2\ncheck_grads = false\nno_verify = true\nsave = "ck"\n')
-    args = _parse(["--config", str(f), "--save-every", "3"])
+    args = parse_launch(["--config", str(f), "--save-every", "3"])
     assert (args.steps, args.save_every, args.no_verify, str(args.save)) == (7, 3, True, "ck")
     f.write_text("steps = 7\nmax_nrom = 1.0\n")
     err = _refusal(capsys, "--config", str(f))

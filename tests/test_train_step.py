@@ -26,9 +26,9 @@ from pipec import checkpoint
 from pipec.build_dir import emit
 from pipec.frontend import load_factory
 from pipec.model import compile_model
-from runtime.data import open_source
-from runtime.lr import Schedule
-from runtime.torchrun import torchrun
+from pipec.runtime.data import open_source
+from pipec.runtime.lr import Schedule
+from pipec.runtime.torchrun import torchrun
 from tests.runtime_launch import launch, refused
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,10 +10,10 @@ import torch.distributed as dist
 
 from pipec.build_dir import emit, load
 from pipec.model import compile_model
-from runtime.faults import Watchdog
-from runtime.interpreter import HANDLERS
-from runtime.loop import train, warmup_kept
-from runtime.rank import Rank
+from pipec.runtime.faults import Watchdog
+from pipec.runtime.interpreter import HANDLERS
+from pipec.runtime.loop import train, warmup_kept
+from pipec.runtime.rank import Rank
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from passes.verify import verify
 from pipec.ir import PipecError
+from pipec.passes.verify import verify
 from tests.helpers import peaks, run
 
 # p = 8, unit chunk costs: limit (stashes; a chunk's stash is 0.5) -> bubble at most, in chunk

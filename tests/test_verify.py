@@ -6,10 +6,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from passes.costs import CostModel
-from passes.registry import SCHEDULES, family
-from passes.verify import VerifyError, verify
 from pipec.ir import Instr, Op, PipecError
+from pipec.passes.costs import CostModel
+from pipec.passes.registry import SCHEDULES, family
+from pipec.passes.verify import VerifyError, verify
 from tests.helpers import peaks, run
 
 family("1f1b")  # registers the built-in families
@@ -114,8 +114,8 @@ def test_invariant4_simulator_disagreement(base):
 
 def test_memory_counts_split_backward_remainder():
     """With a split backward, what B leaves (M_W) stays live until W."""
-    from passes.costs import parse_mem
     from pipec.ir import Compiled, Layout, Pipeline
+    from pipec.passes.costs import parse_mem
 
     layout = Layout(1, (0,), (0,), (Pipeline((0,), (0, 1)),))
     prog = (

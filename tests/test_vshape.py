@@ -4,9 +4,9 @@ from math import ceil
 
 import pytest
 
-from passes.schedules.vblocks import T
-from passes.schedules.vshape import block_of, v_half_slots, v_min_slots, v_zb_slots
 from pipec.ir import PipecError
+from pipec.passes.schedules.vblocks import T
+from pipec.passes.schedules.vshape import block_of, v_half_slots, v_min_slots, v_zb_slots
 from tests.helpers import CHUNK_UNITS, peaks, run
 
 SLOTS = {"v-min": v_min_slots, "v-half": v_half_slots, "v-zb": v_zb_slots}

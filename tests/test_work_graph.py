@@ -4,8 +4,8 @@ compiled schedule runs its ops in one of the graph's topological orders."""
 import networkx as nx
 import pytest
 
-from passes.simulate import play
 from pipec.ir import COMPUTE_OPS, Op, op_kinds, work_graph
+from pipec.passes.simulate import play
 from tests.helpers import run
 
 

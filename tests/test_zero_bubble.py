@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from passes.costs import CostModel, parse_costs, parse_mem
 from pipec.compile import compile_schedule
 from pipec.ir import Op, PipecError
+from pipec.passes.costs import CostModel, parse_costs, parse_mem
 from tests.helpers import peaks, run
 
 HALF_W = parse_mem("F=1,W=-0.5", CostModel())  # M_W = M_B / 2

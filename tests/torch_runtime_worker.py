@@ -31,11 +31,11 @@ from torch.distributed.tensor.parallel import (
 from pipec.build_dir import Build, load
 from pipec.frontend import ModelSpec, load_factory
 from pipec.ir import PipecError
+from pipec.runtime.data import micro_batch
+from pipec.runtime.faults import Watchdog
+from pipec.runtime.interpreter import HANDLERS, run_program
+from pipec.runtime.rank import Rank
 from pipec.torch_runtime import pipeline_stages, schedule, splits_backward, stage_modules
-from runtime.data import micro_batch
-from runtime.faults import Watchdog
-from runtime.interpreter import HANDLERS, run_program
-from runtime.rank import Rank
 from tests.runtime_harness import TIMEOUT_S, serve
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}

@@ -14,7 +14,7 @@ and with "full_loss" the loss of the plain model loaded with `pipec.checkpoint.l
 the batch the run's first step used.
 """
 
-from runtime.faults import take_termination_signals
+from pipec.runtime.faults import take_termination_signals
 
 take_termination_signals()  # before torch starts threads, as launch.py does
 
@@ -27,15 +27,15 @@ import torch.distributed as dist
 from pipec import checkpoint
 from pipec.build_dir import load
 from pipec.frontend import load_factory
-from runtime.data import open_source
-from runtime.faults import Watchdog
-from runtime.interpreter import HANDLERS
-from runtime.loop import train
-from runtime.lr import Schedule
-from runtime.main import restore, saver
-from runtime.optim import Trainer, TrainOptions
-from runtime.rank import Rank
-from runtime.stash import tensors_nbytes
+from pipec.runtime.data import open_source
+from pipec.runtime.faults import Watchdog
+from pipec.runtime.interpreter import HANDLERS
+from pipec.runtime.loop import train
+from pipec.runtime.lr import Schedule
+from pipec.runtime.main import restore, saver
+from pipec.runtime.optim import Trainer, TrainOptions
+from pipec.runtime.rank import Rank
+from pipec.runtime.stash import tensors_nbytes
 from tests.runtime_harness import TIMEOUT_S, serve
 
 

@@ -1,6 +1,6 @@
 """The built-in schedule families; importing this package registers them."""
 
-from passes.schedules import (  # noqa: F401
+from pipec.passes.schedules import (  # noqa: F401
     bitpipe,
     chimera,
     dualpipe,

@@ -9,8 +9,8 @@ whose gradients are all-reduced. Micro-batches split half and half: the first ha
 
 from __future__ import annotations
 
-from passes.registry import Request
 from pipec.ir import Layout, Pipeline
+from pipec.passes.registry import Request
 
 
 def two_way_layout(p: int, m: int, down: tuple[int, ...]) -> Layout:

@@ -20,12 +20,12 @@ own order warms up p/2 fewer.
 
 from __future__ import annotations
 
-from passes.mapping import v_shape
-from passes.registry import Request, only_v, schedule
-from passes.replicas import eager_syncs
-from passes.schedules.bidirectional import even_p, two_way_layout
-from passes.schedules.slots import Node, list_schedule
 from pipec.ir import Op, Schedule
+from pipec.passes.mapping import v_shape
+from pipec.passes.registry import Request, only_v, schedule
+from pipec.passes.replicas import eager_syncs
+from pipec.passes.schedules.bidirectional import even_p, two_way_layout
+from pipec.passes.schedules.slots import Node, list_schedule
 
 
 def _check(req: Request) -> str | None:

@@ -18,11 +18,11 @@ ratio at (D-2)/(2N+D-2) for N a multiple of D (with equal forward and backward s
 
 from __future__ import annotations
 
-from passes.registry import Request, only_v, schedule
-from passes.replicas import syncs_at_end
-from passes.schedules.bidirectional import even_p, two_way_layout
-from passes.schedules.slots import Node, list_schedule
 from pipec.ir import Op, Schedule
+from pipec.passes.registry import Request, only_v, schedule
+from pipec.passes.replicas import syncs_at_end
+from pipec.passes.schedules.bidirectional import even_p, two_way_layout
+from pipec.passes.schedules.slots import Node, list_schedule
 
 
 def _check(req: Request) -> str | None:

@@ -26,11 +26,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Sequence
 
-from passes.mapping import stage_ranks, v_shape
-from passes.registry import Request, only_v, schedule
-from passes.replicas import syncs_at_end
-from passes.schedules.bidirectional import even_p, two_way_layout
 from pipec.ir import Instr, Op, Schedule, single_pipeline
+from pipec.passes.mapping import stage_ranks, v_shape
+from pipec.passes.registry import Request, only_v, schedule
+from pipec.passes.replicas import syncs_at_end
+from pipec.passes.schedules.bidirectional import even_p, two_way_layout
 
 Step = tuple[str, int, int]
 """("F", phase, 0), ("B", phase, split), ("W", 0, 0) or ("FB", forward phase, backward phase)."""

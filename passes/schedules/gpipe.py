@@ -1,8 +1,8 @@
 """GPipe: every forward, then every backward (Huang et al., 2019)."""
 
-from passes.mapping import sequential, stage_ranks
-from passes.registry import Request, schedule
 from pipec.ir import Instr, Op, Schedule, single_pipeline
+from pipec.passes.mapping import sequential, stage_ranks
+from pipec.passes.registry import Request, schedule
 
 
 @schedule("gpipe", "all forwards, then all backwards; m stashes on every rank")

@@ -1,10 +1,10 @@
 """Interleaved 1F1B (Megatron-LM, Narayanan et al., 2021): v chunks per rank, strided stages."""
 
-from passes.mapping import interleaved as interleaved_mapping
-from passes.mapping import stage_ranks
-from passes.registry import Request, schedule
-from passes.schedules.common import one_f_one_b
 from pipec.ir import Instr, Op, Schedule, single_pipeline
+from pipec.passes.mapping import interleaved as interleaved_mapping
+from pipec.passes.mapping import stage_ranks
+from pipec.passes.registry import Request, schedule
+from pipec.passes.schedules.common import one_f_one_b
 
 
 def _check(req: Request) -> str | None:

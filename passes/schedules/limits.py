@@ -7,10 +7,10 @@ limit. Saying the schedule's peak instead tells the user what to ask for.
 
 from collections.abc import Sequence
 
-from passes.costs import CostModel
-from passes.registry import Request
-from passes.simulate import activation_profile
 from pipec.ir import Instr, Layout, PipecError, Schedule
+from pipec.passes.costs import CostModel
+from pipec.passes.registry import Request
+from pipec.passes.simulate import activation_profile
 
 
 def peak_stashes(sched: Schedule, costs: CostModel) -> float:

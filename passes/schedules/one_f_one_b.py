@@ -1,9 +1,9 @@
 """1F1B (PipeDream-Flush / DAPPLE) and its full-recompute variant."""
 
-from passes.mapping import sequential, stage_ranks
-from passes.registry import Request, schedule
-from passes.schedules.common import one_f_one_b
 from pipec.ir import Instr, Op, Schedule, single_pipeline
+from pipec.passes.mapping import sequential, stage_ranks
+from pipec.passes.registry import Request, schedule
+from pipec.passes.schedules.common import one_f_one_b
 
 
 def _orders(p: int, m: int, recompute: bool) -> tuple[tuple[Instr, ...], ...]:

@@ -25,10 +25,11 @@ from __future__ import annotations
 import itertools
 from functools import cache
 
-from passes.costs import CostModel
-from passes.registry import Request
-from passes.schedules.vbest import shortest
-from passes.schedules.vblocks import (
+from pipec.ir import PipecError, Schedule
+from pipec.passes.costs import CostModel
+from pipec.passes.registry import Request
+from pipec.passes.schedules.vbest import shortest
+from pipec.passes.schedules.vblocks import (
     Block,
     Durations,
     Orders,
@@ -38,9 +39,8 @@ from passes.schedules.vblocks import (
     peak,
     start_times,
 )
-from passes.schedules.vreorder import build, every_variant, variants
-from passes.schedules.vshape import peer_orders, v_family, v_schedule
-from pipec.ir import PipecError, Schedule
+from pipec.passes.schedules.vreorder import build, every_variant, variants
+from pipec.passes.schedules.vshape import peer_orders, v_family, v_schedule
 
 FINALISTS = 3
 """How many of the best trial schedules are rebuilt for the real m with every variant."""

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from itertools import accumulate
 
-from passes.costs import CostModel
-from passes.schedules.vblocks import Orders, durations, start_times
 from pipec.ir import Op
+from pipec.passes.costs import CostModel
+from pipec.passes.schedules.vblocks import Orders, durations, start_times
 
 _TIE = 1e-12
 """Relative margin under which two makespans count as equal (float sums in another order)."""

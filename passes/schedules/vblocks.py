@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import Sequence
 from itertools import accumulate
 
-from passes.costs import CostModel
 from pipec.ir import Instr, Op, Program
+from pipec.passes.costs import CostModel
 
 T = 6
 KINDS = "FfBbWw"

@@ -21,7 +21,7 @@ Slot lists are indexed [rank][kind][mb] with kinds in `KINDS` order (F f B b, th
 
 from __future__ import annotations
 
-from passes.schedules.vblocks import KINDS, Orders
+from pipec.passes.schedules.vblocks import KINDS, Orders
 
 Slots = list[list[list[int]]]
 """Per rank, per kind, the slot of each micro-batch's pass."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from passes.schedules.vblocks import (
+from pipec.passes.schedules.vblocks import (
     KINDS,
     MEM,
     Block,

@@ -23,15 +23,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from passes.mapping import stage_ranks, v_shape
-from passes.registry import Request, only_v, schedule
-from passes.schedules import vgreedy
-from passes.schedules.limits import refuse_over_limit
-from passes.schedules.vbest import rank_peaks, shortest
-from passes.schedules.vblocks import Block, Orders, T, block_from_residues, to_programs
-from passes.schedules.vreorder import variants
-from passes.schedules.zbv_fixed import zbv_orders
 from pipec.ir import Schedule, single_pipeline
+from pipec.passes.mapping import stage_ranks, v_shape
+from pipec.passes.registry import Request, only_v, schedule
+from pipec.passes.schedules import vgreedy
+from pipec.passes.schedules.limits import refuse_over_limit
+from pipec.passes.schedules.vbest import rank_peaks, shortest
+from pipec.passes.schedules.vblocks import Block, Orders, T, block_from_residues, to_programs
+from pipec.passes.schedules.vreorder import variants
+from pipec.passes.schedules.zbv_fixed import zbv_orders
 
 Slots = Callable[[int, int], tuple[int, int, int, int]]
 

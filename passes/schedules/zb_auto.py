@@ -19,13 +19,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from passes.costs import CostModel
-from passes.mapping import sequential, stage_ranks
-from passes.registry import Request, only_v, schedule
-from passes.schedules.limits import peak_of
-from passes.schedules.zero_bubble import zb_h1_order, zb_h2_order
-from passes.simulate import play
 from pipec.ir import Instr, Layout, Op, PipecError, Schedule, single_pipeline
+from pipec.passes.costs import CostModel
+from pipec.passes.mapping import sequential, stage_ranks
+from pipec.passes.registry import Request, only_v, schedule
+from pipec.passes.schedules.limits import peak_of
+from pipec.passes.schedules.zero_bubble import zb_h1_order, zb_h2_order
+from pipec.passes.simulate import play
 
 _EPS = 1e-9
 _PASSES = (Op.F, Op.B, Op.W)

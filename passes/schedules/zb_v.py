@@ -19,13 +19,13 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from passes.costs import CostModel
-from passes.registry import Request
-from passes.schedules.vbest import shortest
-from passes.schedules.vblocks import KINDS, Durations, Orders, durations, waits_for
-from passes.schedules.vshape import v_family, v_schedule
-from passes.schedules.zbv_fixed import zbv_orders
 from pipec.ir import Op, Schedule
+from pipec.passes.costs import CostModel
+from pipec.passes.registry import Request
+from pipec.passes.schedules.vbest import shortest
+from pipec.passes.schedules.vblocks import KINDS, Durations, Orders, durations, waits_for
+from pipec.passes.schedules.vshape import v_family, v_schedule
+from pipec.passes.schedules.zbv_fixed import zbv_orders
 
 _EPS = 1e-9
 

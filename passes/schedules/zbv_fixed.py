@@ -10,7 +10,7 @@ families with that much memory consider it beside their own. Pass names are vblo
 
 from __future__ import annotations
 
-from passes.schedules.vblocks import Orders, first_of
+from pipec.passes.schedules.vblocks import Orders, first_of
 
 
 def zbv_orders(p: int, m: int) -> Orders:

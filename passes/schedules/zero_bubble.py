@@ -8,10 +8,10 @@ chain is never delayed: the trapezoid becomes a parallelogram, bubble (p-1)(F+B-
 (2p-2r-1)·M_B + 2r·M_W on rank r.
 """
 
-from passes.mapping import sequential, stage_ranks
-from passes.registry import Request, schedule
-from passes.schedules.limits import refuse_over_limit
 from pipec.ir import Instr, Op, Schedule, single_pipeline
+from pipec.passes.mapping import sequential, stage_ranks
+from pipec.passes.registry import Request, schedule
+from pipec.passes.schedules.limits import refuse_over_limit
 
 
 def _sequential_schedule(name: str, req: Request, orders: list[list[Instr]]) -> Schedule:

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import click
 
-from codegen.partition import partition_text
-from codegen.render import bytes_table, measured_table, terminal_gantt
-from passes.simulate import SimResult
 from pipec.build_dir import MEASURED, Build, check_build, load
+from pipec.codegen.partition import partition_text
+from pipec.codegen.render import bytes_table, measured_table, terminal_gantt
 from pipec.commands.tables import eviction_line, placement_table, rank_table
 from pipec.interop import export_torch_csv
 from pipec.ir import PipecError
+from pipec.passes.simulate import SimResult
 from pipec.provenance import check_factory, resolve
 
 
@@ -99,7 +99,7 @@ def _memory_rows(build: Build, sim: SimResult, stats: dict | None) -> list[dict]
     the run's real peaks when there was one (runtime/measure.py). The factory is found as
     `pipec run` finds it, from any directory (pipec/provenance.py)."""
     from pipec.frontend import FrontendError
-    from runtime.measure import memory_rows, predicted_peaks  # torch: only when asked
+    from pipec.runtime.measure import memory_rows, predicted_peaks  # torch: only when asked
 
     device, backend = (stats.get("device", "cpu"), stats.get("backend")) if stats else ("cpu", None)
     spec = resolve(build.plan["model"], None, build.path)
@@ -158,7 +158,7 @@ def verify_cmd(directory: Path) -> None:
 def run_cmd(directory: Path, nproc: int | None, launch_args: tuple[str, ...]) -> None:
     """Train a build under torchrun here (LAUNCH_ARGS go to its launch.py, e.g. --steps 30);
     on failure the rank's one-line message is repeated last and its exit code returned."""
-    from runtime.torchrun import run_build
+    from pipec.runtime.torchrun import run_build
 
     code = run_build(directory, nproc, launch_args)
     if code:

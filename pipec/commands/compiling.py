@@ -12,25 +12,41 @@ from pathlib import Path
 
 import click
 
-from codegen.partition import partition_text
-from passes.costs import CostModel, parse_costs, parse_mem
-from passes.placement import MAPPINGS
-from passes.registry import family
-from passes.residency import NEEDS_MODEL
-from passes.topology import make_topology
 from pipec.build_dir import check_out, emit, time_unit
+from pipec.codegen.partition import partition_text
 from pipec.commands.tables import eviction, eviction_line, rank_table
 from pipec.compile import CompileResult, check_dp, compile_schedule, gc_paused
 from pipec.footprint import check_fits
 from pipec.interop import compile_torch_class, compile_torch_csv
 from pipec.ir import PipecError
 from pipec.model import compile_model
+from pipec.passes.costs import CostModel, parse_costs, parse_mem
+from pipec.passes.placement import MAPPINGS
+from pipec.passes.registry import family
+from pipec.passes.residency import NEEDS_MODEL
+from pipec.passes.topology import make_topology
 from pipec.progress import progress
 
 DEVICE_HELP = (
     "Profile on this device: cpu, cuda or cuda:N, the one the build will run on (default: "
     "where the factory builds the model)."
 )
+
+
+#: Micro-batches per pipeline rank when -m is not given: at m = 4p 1F1B idles (p-1)/(5p-1) of
+#: its time, under a fifth (GPipe's paper draws the same line).
+DEFAULT_M_PER_RANK = 4
+
+
+def _default_m(opts: dict) -> dict:
+    """`opts` with -m at its default where p is given and nothing else sets m (a CSV does)."""
+    if opts["microbatches"] is None and opts["pp"] is not None and not opts["from_torch_csv"]:
+        opts = opts | {"microbatches": DEFAULT_M_PER_RANK * opts["pp"]}
+        click.echo(
+            f"pipec: -m not given: {opts['microbatches']} micro-batches ({DEFAULT_M_PER_RANK}p)",
+            err=True,
+        )
+    return opts
 
 
 def _schedule_options(fn: Callable) -> Callable:
@@ -40,7 +56,12 @@ def _schedule_options(fn: Callable) -> Callable:
         click.option("--from-torch", metavar="CLASS", help="Or torch's order, e.g. Schedule1F1B."),
         click.option("--from-torch-csv", type=Path, help="Or a torch per-rank action CSV."),
         click.option("--pp", "-p", type=int, help="Pipeline ranks p (a CSV gives its own)."),
-        click.option("--microbatches", "-m", type=int, help="Micro-batches m (ditto)."),
+        click.option(
+            "--microbatches",
+            "-m",
+            type=int,
+            help=f"Micro-batches m (ditto; default {DEFAULT_M_PER_RANK}p).",
+        ),
         click.option(
             "--chunks",
             "-v",
@@ -356,6 +377,7 @@ def _memory_limit(text: str | None) -> tuple[float | None, bool]:
 def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
     """Compile a schedule (for MODEL, path/to/file.py:factory, if given) into programs in OUT."""
     check_out(out, force, opts["schedule"])  # before the work, which may be long
+    opts = _default_m(opts)
     if opts["pp"] is not None:
         check_dp(opts["dp"], opts["pp"])
     # The collector's one scan of the 10^6 objects built comes after emit.
@@ -384,6 +406,7 @@ def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 def simulate_cmd(as_json: bool, **opts) -> CompileResult:
     """Simulate a schedule (for MODEL, path/to/file.py:factory, if given); writes nothing."""
+    opts = _default_m(opts)
     with _watched(opts):
         result = _compile(**opts)
     evicted, c = result.plan.get("evict"), result.compiled

@@ -3,12 +3,12 @@ what eviction did."""
 
 from __future__ import annotations
 
-from passes.costs import CostModel
-from passes.evict import amount
-from passes.simulate import SimResult
-from passes.topology import Topology
 from pipec.build_dir import time_unit
 from pipec.ir import Layout
+from pipec.passes.costs import CostModel
+from pipec.passes.evict import amount
+from pipec.passes.simulate import SimResult
+from pipec.passes.topology import Topology
 
 
 def eviction(sim: SimResult, layout: Layout, costs: CostModel, plan: dict) -> dict:

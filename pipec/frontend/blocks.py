@@ -21,7 +21,7 @@ from itertools import groupby
 
 from torch import fx, nn
 
-from codegen.partition import block_names, describe
+from pipec.codegen.partition import block_names, describe
 from pipec.frontend.spec import FrontendError
 
 

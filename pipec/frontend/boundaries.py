@@ -15,7 +15,7 @@ from torch import Tensor, fx
 from torch.utils import _pytree as pytree
 
 from pipec.frontend.spec import FrontendError, ModelSpec
-from runtime.p2p import MAX_TENSORS
+from pipec.ir import MAX_TENSORS
 
 
 def run_boundaries(

@@ -28,7 +28,7 @@ from torch.utils.flop_counter import (
 )
 
 from pipec.frontend.blocks import Stacks
-from runtime.bwsplit import B, W, split_backward
+from pipec.runtime.bwsplit import B, W, split_backward
 
 aten = torch.ops.aten
 

@@ -19,12 +19,12 @@ from torch import fx
 from pipec.frontend.blocks import Stacks, find_blocks, locate
 from pipec.frontend.boundaries import input_names, named_leaves, run_boundaries
 from pipec.frontend.cost import Flops, count_flops
-from pipec.frontend.direct import direct_calls
 from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, measure_stash_bytes
 from pipec.frontend.partition import check_fits, resolve, split_point_counts
 from pipec.frontend.spec import DEFAULT_SEED, FrontendError, ModelSpec, load_factory
 from pipec.frontend.stages import split
 from pipec.frontend.trace import export, trace
+from pipec.runtime.direct import direct_calls
 
 # Converts counted FLOPs to seconds when not profiling: a round number of the order of one
 # modern accelerator's sustained dense throughput. Only ratios matter to the scheduler.

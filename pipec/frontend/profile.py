@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from pipec.frontend.facts import Costs
 from pipec.frontend.spec import ModelSpec
 from pipec.ir import PipecError
-from runtime.bwsplit import B, W, split_backward
+from pipec.runtime.bwsplit import B, W, split_backward
 
 DEVICE_TYPES = ("cpu", "cuda")
 

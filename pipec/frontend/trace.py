@@ -229,7 +229,7 @@ def _drop_guarded_placeholders(graph: torch.fx.Graph) -> None:
 def _autowrapped() -> tuple[Callable[..., Any], ...]:
     """Functions recorded as one node even when the user's module did not `torch.fx.wrap` them."""
     try:
-        from runtime.kernels import attention
+        from pipec.runtime.kernels import attention
     except ImportError:  # pipec used without its runtime package: nothing to wrap
         return ()
     return (attention,)
@@ -258,7 +258,7 @@ def _explain(e: Exception, model: nn.Module, how: str) -> str:
             ),
             (
                 "make it a torch.library.custom_op with register_autograd (as "
-                "runtime.kernels.attention), or capture with torch.fx "
+                "pipec.runtime.kernels.attention), or capture with torch.fx "
                 '(ModelSpec.capture="fx") and torch.fx.wrap the function that applies it'
             ),
         )

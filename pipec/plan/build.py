@@ -19,11 +19,11 @@ import shlex
 from dataclasses import replace
 from pathlib import Path
 
-from passes.costs import CostModel
-from passes.topology import Link
 from pipec.compile import CompileResult, compile_schedule
 from pipec.ir import PipecError
 from pipec.model import MS_PER_S, model_plan
+from pipec.passes.costs import CostModel
+from pipec.passes.topology import Link
 from pipec.plan.candidates import CompileRequest, Evaluated, evaluate_one
 from pipec.plan.saved import SavedProfile
 

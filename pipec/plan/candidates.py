@@ -13,13 +13,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from passes.costs import CostModel
-from passes.memory_bytes import RankBytes, Samples, held_chunks
-from passes.registry import SCHEDULES, Request, build_schedule, family
-from passes.simulate import SimResult
-from passes.topology import Link, Topology
 from pipec.compile import CompileResult, compile_schedule
 from pipec.ir import Layout, Op, PipecError
+from pipec.passes.costs import CostModel
+from pipec.passes.memory_bytes import RankBytes, Samples, held_chunks
+from pipec.passes.registry import SCHEDULES, Request, build_schedule, family
+from pipec.passes.simulate import SimResult
+from pipec.passes.topology import Link, Topology
 from pipec.plan.facts import Chunks, ModelProfile
 from pipec.plan.memory import predicted, stash_limit
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from codegen.render import format_bytes
-from passes.topology import Topology, make_topology
+from pipec.codegen.render import format_bytes
 from pipec.ir import PipecError
+from pipec.passes.topology import Topology, make_topology
 from pipec.plan.candidates import (
     BASELINE,
     Evaluated,

@@ -28,10 +28,10 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from passes.mapping import mirror_pairs
-from passes.memory_bytes import ByteFacts, Samples, for_device, held_chunks, rank_samples
 from pipec.compile import CompileResult
 from pipec.ir import Layout, PipecError
+from pipec.passes.mapping import mirror_pairs
+from pipec.passes.memory_bytes import ByteFacts, Samples, for_device, held_chunks, rank_samples
 from pipec.plan.facts import Chunks
 
 _UNITS = {

@@ -38,11 +38,11 @@ from pipec.frontend import (
     split_model,
 )
 from pipec.frontend.blocks import find_blocks
-from pipec.frontend.direct import direct_calls
 from pipec.frontend.profile import ProgressBar, _now, on_device, profile_stages
 from pipec.frontend.spec import takes_micro_batch_size
 from pipec.ir import PipecError
 from pipec.plan.facts import FBW, BlockFacts, MbsPoint, ModelProfile
+from pipec.runtime.direct import direct_calls
 
 MEMORY_HEADROOM = 0.5
 """Profile a size only while its activations take at most this share of free memory."""
@@ -279,8 +279,8 @@ def _extras(
     """Per block, what one micro-batch holds beside its stash, as the runtime's prediction
     measures a stage (`module_extras`): the host bytes with the B/W split and with native
     Linears (a BW schedule's stages are not split), and what B leaves for W."""
-    from runtime.bwsplit import unsplit
-    from runtime.meter import module_extras
+    from pipec.runtime.bwsplit import unsplit
+    from pipec.runtime.meter import module_extras
 
     last = len(blocks) - 1
     host, fused, w_held = [], [], []

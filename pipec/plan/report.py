@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from codegen.render import format_bytes
-from passes.memory_bytes import TERMS
-from passes.topology import Link
+from pipec.codegen.render import format_bytes
+from pipec.passes.memory_bytes import TERMS
+from pipec.passes.topology import Link
 from pipec.plan.candidates import Evaluated, PlanRequest
 from pipec.plan.driver import Plan
 

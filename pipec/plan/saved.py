@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from passes.topology import Topology
 from pipec.ir import PipecError
+from pipec.passes.topology import Topology
 from pipec.plan.facts import ModelProfile
 
 FORMAT = "pipec.plan_profile/2"

@@ -5,6 +5,6 @@
 with grouped-query attention when k/v have fewer heads than q.
 """
 
-from runtime.kernels.attention import attention
+from pipec.runtime.kernels.attention import attention
 
 __all__ = ["attention"]

@@ -37,8 +37,16 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from pipec.frontend.direct import DIRECT
-from runtime.kernels import flash
+from pipec.runtime.direct import DIRECT
+
+# Triton is an extra (pip install 'pipec[gpu]'; torch's CUDA builds bring their own): without
+# it every call runs SDPA, and a call that selects the kernel says so once.
+try:
+    import triton  # noqa: F401
+except ImportError:
+    flash = None
+else:
+    from pipec.runtime.kernels import flash
 
 BACKENDS = ("triton", "sdpa")
 
@@ -98,14 +106,22 @@ def _backend(q: Tensor) -> str:
 def _kernel_runs(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether the op runs these inputs on the kernel: selected, and taken (what the op's
     shapes for fake tensors need to know: the kernel also returns its log-sum-exp)."""
-    return _backend(q) == "triton" and flash.supports(q, k, v) is None
+    return _backend(q) == "triton" and _refused(q, k, v) is None
+
+
+def _refused(q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Why the Triton kernel cannot run these inputs, or None when it can."""
+    if flash is None:
+        return "triton is not installed (pip install 'pipec[gpu]')"
+    reason = flash.supports(q, k, v)
+    return None if reason is None else f"the Triton kernel does not take {reason}"
 
 
 def _notice(reason: str) -> None:
     if reason not in _noticed:
         _noticed.add(reason)
         warnings.warn(
-            f"attention: the Triton kernel does not take {reason}; using SDPA for such inputs",
+            f"attention: {reason}; using SDPA for such inputs",
             KernelFallback,
             stacklevel=_caller_level(),
         )
@@ -129,7 +145,14 @@ def _attention(
     q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None
 ) -> tuple[Tensor, Tensor]:
     """(output, log-sum-exp): the kernel's, or SDPA's output and an empty tensor."""
-    return _compute(q, k, v, is_causal, scale, flash.forward)
+    return _compute(q, k, v, is_causal, scale, _kernel_forward)
+
+
+def _kernel_forward(
+    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    assert flash is not None  # `_compute` calls it only where the kernel runs
+    return flash.forward(q, k, v, is_causal, scale)
 
 
 def _compute(
@@ -144,7 +167,7 @@ def _compute(
     inputs (the op calls the kernel's forward, `direct` its autograd function), else SDPA's
     output and an empty tensor."""
     if _backend(q) == "triton":
-        reason = flash.supports(q, k, v)
+        reason = _refused(q, k, v)
         if reason is None:
             return kernel(q, k, v, is_causal, _scale(q, scale))
         _notice(reason)
@@ -175,7 +198,8 @@ def _attention_backward(
     scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dQ, dK, dV) of `pipec::attention`, by the backend its forward ran on."""
-    if lse.numel():
+    if lse.numel():  # only the kernel returns a log-sum-exp
+        assert flash is not None
         return flash.backward(do, q, k, v, o, lse, is_causal, _scale(q, scale))
     return _sdpa_backward(do, q, k, v, o, is_causal, _scale(q, scale))
 
@@ -251,7 +275,7 @@ class _Flash(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float):  # type: ignore[no-untyped-def, override]
-        out, lse = flash.forward(q, k, v, is_causal, scale)
+        out, lse = _kernel_forward(q, k, v, is_causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.is_causal, ctx.scale = is_causal, scale
         ctx.mark_non_differentiable(lse)
@@ -260,6 +284,7 @@ class _Flash(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor, _dlse: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[no-untyped-def, override]
         q, k, v, o, lse = ctx.saved_tensors
+        assert flash is not None
         return (*flash.backward(do, q, k, v, o, lse, ctx.is_causal, ctx.scale), None, None)
 
 
@@ -267,7 +292,7 @@ def direct(
     q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, scale: float | None = None
 ) -> tuple[Tensor, Tensor]:
     """What `torch.ops.pipec.attention` returns, (output, log-sum-exp), computed without the
-    op: how a rank runs a captured stage (pipec/frontend/direct.py). The kernel through
+    op: how a rank runs a captured stage (runtime/direct.py). The kernel through
     `_Flash` where the op would run it; elsewhere SDPA itself under autograd, whose backward
     keeps what its forward made (the fp32 CPU flash kernel's log-sum-exp: the same gradients
     as the op's, bit for bit; the math backend's probabilities). Through the op, a forward and
@@ -321,7 +346,7 @@ def attention(
     return torch.ops.pipec.attention(q, k, v, is_causal, scale)[0]
 
 
-# How a rank runs a captured stage's attention (pipec/frontend/direct.py): the op's node
+# How a rank runs a captured stage's attention (runtime/direct.py): the op's node
 # (torch.export) and the function's (torch.fx) call `direct`.
 DIRECT.update(
     {

@@ -471,6 +471,6 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     if not q.is_cuda and not INTERPRET:
         return (
             f"tensors on {q.device.type} (the kernel needs CUDA, or TRITON_INTERPRET=1 set "
-            "before runtime.kernels is imported)"
+            "before pipec.runtime.kernels is imported)"
         )
     return None

@@ -1,4 +1,4 @@
-"""Small models that torch.fx cannot trace, one pitfall each (see FACTS.md), plus fixtures.
+"""Small models that torch.fx cannot trace, one pitfall each, plus fixtures.
 
 Each failing line carries a `# FAILS` marker so tests can find its line number.
 """
