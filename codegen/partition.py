@@ -56,6 +56,8 @@ def partition_text(model: dict, layout: Layout) -> str:
 
         blocks: encoder.block.0-3, decoder.block.0-3 (8), balanced, 4 stages
           stage 0 (rank 0): encoder.block.0-1   22.0% of F+B+W FLOPs
+          ...
+          tied: shared.weight (stage 0) = lm_head.weight (stage 3): one parameter, ...
     """
     stacks = plan_stacks(model)
     n_blocks = sum(n for _, n in stacks)
@@ -65,12 +67,19 @@ def partition_text(model: dict, layout: Layout) -> str:
     totals = [sum(s["flops"].values()) for s in stages]
     whole = sum(totals) or 1
     shares = [100 * t / whole for t in totals]
+    tied = [
+        "  tied: "
+        + " = ".join(f"{h['name']} (stage {h['stage']})" for h in group)
+        + ": one parameter, its gradients summed each step"
+        for group in model.get("tied_parameters", [])
+    ]
     if len(stages) > MAX_STAGE_LINES:
         counts = ",".join(str(n) for n in model["partition"]["blocks_per_stage"])
-        return (
-            f"{head}\n  blocks per stage {counts}; F+B+W FLOPs per stage "
+        summary = (
+            f"  blocks per stage {counts}; F+B+W FLOPs per stage "
             f"{min(shares):.1f}% to {max(shares):.1f}% of the model's"
         )
+        return "\n".join([head, summary, *tied])
     ranks: dict[int, list[int]] = {}
     for stage, chunk in enumerate(layout.stage_chunk):
         ranks.setdefault(chunk, []).append(layout.stage_rank[stage])
@@ -85,4 +94,4 @@ def partition_text(model: dict, layout: Layout) -> str:
         f"  {who}: {where:<{width}}  {share:5.1f}%" + (" of F+B+W FLOPs" if k == 0 else "")
         for k, (who, where, share) in enumerate(zip(held, spans, shares))
     ]
-    return "\n".join([head, *lines])
+    return "\n".join([head, *lines, *tied])

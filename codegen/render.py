@@ -505,8 +505,11 @@ def measured_table(stats: dict) -> str:
 def bytes_table(rows: Sequence[Mapping]) -> str:
     """Per rank, the predicted peak bytes (passes/memory_bytes.py), by term, beside the real
     peak a run measured and their ratio (`pipec show`'s memory table)."""
+    ran = any(row.get("real_peak_bytes") is not None for row in rows)
     lines = [
-        "peak bytes per rank, predicted (by term) vs measured real:",
+        "peak bytes per rank, predicted (by term) vs measured real:"
+        if ran
+        else "peak bytes per rank, predicted (by term); a run adds the real peaks:",
         f"  {'rank':>4}  {'predicted':>10}  {'real':>10}  {'real/pred':>9}  "
         + "  ".join(f"{t:>9}" for t in TERMS),
     ]

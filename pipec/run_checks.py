@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipec.ir import PipecError
+from pipec.progress import progress
 
 
 def launch_options(args: Sequence[str]) -> argparse.Namespace | None:
@@ -58,7 +59,7 @@ def check_run(build: Path, nproc: int | None, args: Sequence[str]) -> int | None
     """Every check `pipec run BUILD [--nproc N] ARGS` makes before starting torchrun; returns
     the number of ranks to start, or None when only `--help` was asked for."""
     from pipec.build_dir import check_launch, load
-    from pipec.provenance import check_factory
+    from pipec.provenance import check_factory, resolve
     from pipec.runtime.train_options import zero_error
 
     if not (Path(build) / "launch.py").is_file():
@@ -77,8 +78,34 @@ def check_run(build: Path, nproc: int | None, args: Sequence[str]) -> int | None
     if error := zero_error(options, int(loaded.plan.get("dp", 1))):
         raise PipecError(error)
     check_launch(loaded)  # pipec run executes it: it must be the plan's
-    if loaded.plan.get("model") is not None and options.model is None:
-        check_factory(loaded.plan["model"], loaded.path)
+    model_plan = loaded.plan.get("model")
+    if model_plan is not None and options.model is None:
+        check_factory(model_plan, loaded.path)
     if options.save is not None:
         check_writable(options.save)
+    if model_plan is None:
+        return ranks
+    if options.eval_every and not options.check_grads and model_plan.get("eval_data") is False:
+        raise PipecError(
+            f"--eval-every {options.eval_every}: the ModelSpec of {model_plan['spec']} has no "
+            "eval_data; give it eval_data (batches in the form of data) or drop --eval-every"
+        )
+    if options.precision != "fp32" and loaded.plan.get("precision", "fp32") != options.precision:
+        spec = resolve(model_plan, options.model, loaded.path)
+        check_trains_at(spec, model_plan, options.precision)
     return ranks
+
+
+def check_trains_at(spec: str, model_plan: dict, precision: str) -> None:
+    """Refuse, naming the op, a model that cannot train at `precision`: every stage built at it
+    as the ranks build theirs, one micro-batch forward and backward (`build_stages`). A build
+    compiled with `--precision` was checked when compiled."""
+    from pipec.frontend import FrontendError, build_stages
+    from pipec.frontend.precision import PRECISIONS
+
+    stages = list(range(model_plan["n_stages"]))
+    with progress(f"checking that {spec} trains at {precision}"):
+        try:
+            build_stages(spec, model_plan, stages, dtype=PRECISIONS[precision], check_backward=True)
+        except FrontendError as e:
+            raise PipecError(str(e)) from None

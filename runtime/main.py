@@ -40,6 +40,7 @@ import torch.distributed as dist
 from pipec import checkpoint
 from pipec.build_dir import Build, check_build, load
 from pipec.frontend import FrontendError, load_factory
+from pipec.frontend.precision import PRECISIONS
 from pipec.ir import Op, PipecError
 from pipec.progress import progress
 from pipec.provenance import check_model, resolve
@@ -177,7 +178,8 @@ def main(
             sys.exit(2)
         device = rank_device(args.backend, args.share_gpu, local_rank)
         try:
-            rt = Rank.prepare(run.build, grank, world, device, run.spec, args.seed)
+            dtype = PRECISIONS[args.precision]  # bf16: the stages captured as they compute
+            rt = Rank.prepare(run.build, grank, world, device, run.spec, args.seed, dtype)
             check_program(rt.program, handlers, rt.source)
         except PipecError as e:  # nothing was communicated: a plain exit, nobody is waiting
             print(f"pipec runtime: rank {grank}: {e}", file=sys.stderr, flush=True)

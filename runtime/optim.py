@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from pipec.frontend.precision import PRECISIONS
+from pipec.ir import PipecError
 from pipec.runtime.lr import Schedule
 from pipec.runtime.precision import grad_of
 
@@ -170,6 +172,11 @@ class Trainer:
     def __init__(self, rt: Rank, options: TrainOptions) -> None:
         self.rt, self.options = rt, options
         self.bf16 = bf16 = options.precision == "bf16"
+        if PRECISIONS[options.precision] is not rt.compute_dtype:
+            raise PipecError(
+                f"--precision {options.precision}: this rank's stages were captured for "
+                f"{rt.compute_dtype or 'the model dtype'}; prepare the rank at the run's precision"
+            )
         rt.zero = options.zero
         self.held = held_parameters(rt)
         self.size = sum(h.param.numel() for h in self.held)

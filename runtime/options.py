@@ -35,11 +35,17 @@ class LaunchParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def directory(text: str) -> Path | None:
+    """A path option's value; an empty one turns the option off, as if not given (how a flag
+    cancels a --config file's value: `--save ""`)."""
+    return Path(text) if text else None
+
+
 def add_options(ap: argparse.ArgumentParser) -> None:
     """The options of metrics, evaluation and the config file."""
     ap.add_argument(
         "--config",
-        type=Path,
+        type=directory,
         help="launch options from a TOML file (keys: the options' names, e.g. steps = 100, "
         "max_norm = 1.0); flags given here override it",
     )
@@ -51,7 +57,7 @@ def add_options(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--tensorboard",
-        type=Path,
+        type=directory,
         metavar="DIR",
         help="also write the metrics to TensorBoard event files in DIR "
         "(pip install 'pipec[tensorboard]')",
@@ -77,7 +83,7 @@ def parse(ap: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.N
     this module's options."""
     argv = list(sys.argv[1:] if argv is None else argv)
     first = argparse.ArgumentParser(add_help=False)
-    first.add_argument("--config", type=Path)
+    first.add_argument("--config", type=directory)
     found, _ = first.parse_known_args(argv)
     if found.config is not None:
         argv = config_argv(ap, found.config) + argv
@@ -203,10 +209,14 @@ def launch_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic micro-batches")
     ap.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the medians")
-    ap.add_argument("--save", type=Path, help="write checkpoints to DIR (at the end at least)")
+    ap.add_argument(
+        "--save", type=directory, help='write checkpoints to DIR (at the end at least; "": off)'
+    )
     ap.add_argument("--save-every", type=int, default=0, help="and every K steps (default: 0)")
     ap.add_argument(
-        "--resume", type=Path, help="continue from a checkpoint: DIR's newest, or DIR/step_N"
+        "--resume",
+        type=directory,
+        help="continue from a checkpoint: DIR's newest, or DIR/step_N",
     )
     ap.add_argument(
         "--check-grads",

@@ -1,8 +1,10 @@
 """bf16 training: where each cast happens (docs/training.md, "Precision").
 
 `to_bf16(modules)` casts the stage modules' floating parameters and buffers to bf16 in place
-(parameter objects are kept, so parameters shared by two stages stay shared) and gives every
-parameter an fp32 `main_grad`: each backward's bf16 weight gradient is added into it as soon as
+(parameter objects are kept, so parameters shared by two stages stay shared; the stages were
+captured at bf16, pipec/frontend/precision.py) and gives every trained parameter an fp32
+`main_grad` (a frozen one, `requires_grad=False`, keeps none, and its fp32 master is never
+stepped): each backward's bf16 weight gradient is added into it as soon as
 autograd accumulates it (a post-accumulate hook, which then drops the bf16 `.grad`), or by W
 for the deferred GEMMs (runtime/bwsplit.py). Gradients are thereby summed over the step's
 micro-batches, reduced over data parallelism and clipped in fp32. The fp32 master weights and
@@ -16,9 +18,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
-
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
-"""`--precision` choices and the compute dtype each sets (None: the model's own)."""
 
 
 def grad_of(p: nn.Parameter) -> Tensor | None:
@@ -65,8 +64,8 @@ def to_bf16(modules: Iterable[nn.Module]) -> dict[str, Tensor]:
             if b.is_floating_point():
                 buffers.setdefault(name, b.detach().clone())
         for p in module.parameters():
-            if id(p) in done or not p.is_floating_point():
-                continue
+            if id(p) in done or not p.is_floating_point() or not p.requires_grad:
+                continue  # a frozen parameter has no gradient to keep: it stays unhooked
             done.add(id(p))
             p.main_grad = None
             p.register_post_accumulate_grad_hook(_into_main_grad)

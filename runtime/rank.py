@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from pipec.build_dir import Build, rank_file
 from pipec.frontend import FrontendError, ModelSpec, build_stages, load_factory
+from pipec.frontend.precision import BOUNDARY_DTYPES
 from pipec.ir import Instr, Op, PipecError
 from pipec.runtime.bwsplit import split_backward
 from pipec.runtime.data import MicroBatch, Stream, Synthetic, open_source
@@ -98,7 +99,7 @@ class Rank:
     meter: Meter | None = None  # real bytes; made at the first step (runtime/interpreter.py)
     positions: Positions | None = None  # the program's per-step facts; made at the first step
     step: int = 0  # the step being taken (1-based), for the learning-rate schedule
-    compute_dtype: torch.dtype | None = None  # bf16 training (runtime/precision.py)
+    compute_dtype: torch.dtype | None = None  # bf16: the stages were captured at it (prepare)
     fp32_buffers: dict[str, Tensor] = field(default_factory=dict)  # saved in place of bf16 ones
     zero: bool = False  # ZeRO-1: the data-parallel sum is reduce-scattered at the step
     last_step: StepNumbers | PendingStep | None = None  # the last optimizer step's figures
@@ -192,9 +193,9 @@ class Rank:
         self.batch_cache = {}
 
     def to_bf16(self) -> None:
-        """Train in bf16 from now on (runtime/precision.py): stages cast, fp32 `main_grad`s."""
+        """Train in bf16 from now on (runtime/precision.py): stages cast, fp32 `main_grad`s.
+        The stages were captured at bf16 (`prepare(..., dtype=torch.bfloat16)`)."""
         self.fp32_buffers = to_bf16(self.modules.values())
-        self.compute_dtype = torch.bfloat16
         self.param_keys = {
             s: frozenset(storage_key(p) for p in m.parameters()) for s, m in self.modules.items()
         }
@@ -202,18 +203,16 @@ class Rank:
     def boundary(self, stage: int, which: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Shapes and dtypes of what p2p receives for a stage: its `inputs` (activations, every
         dtype: hidden states, int64 ids, bool masks) or the gradients of its `outputs` (the
-        floating ones only; integer and bool values have no gradient)."""
+        floating ones only; integer and bool values have no gradient). The dtypes are the
+        plan's, or, at bf16, those the stage was found to take and give at bf16 (build_stages)."""
         chunk = self.layout.stage_chunk[stage]
         facts = self.build.plan["model"]["stages"][chunk][which]
-        described = [(tuple(t["shape"]), self._message_dtype(t["dtype"])) for t in facts]
+        at_run = getattr(self.modules[stage], "meta", {}).get(BOUNDARY_DTYPES)
+        dtypes = at_run[which] if at_run else [getattr(torch, t["dtype"]) for t in facts]
+        described = [(tuple(t["shape"]), d) for t, d in zip(facts, dtypes, strict=True)]
         if which == "inputs":
             return described
         return [(shape, dtype) for shape, dtype in described if dtype.is_floating_point]
-
-    def _message_dtype(self, name: str) -> torch.dtype:
-        """A boundary tensor's dtype in this run: floating ones in the compute dtype."""
-        dtype = getattr(torch, name)
-        return self.compute_dtype if self.compute_dtype and dtype.is_floating_point else dtype
 
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter this rank holds, each once (stages on one rank may share one)."""
@@ -237,8 +236,10 @@ class Rank:
         device: torch.device,
         spec: str | None = None,
         data_seed: int = 0,
+        dtype: torch.dtype | None = None,
     ) -> Rank:
-        """Check that `build` fits a world of `world` ranks and rebuild this rank's stages.
+        """Check that `build` fits a world of `world` ranks and rebuild this rank's stages
+        (captured at `dtype` for a bf16 run; they hold the model's fp32 values until `to_bf16`).
 
         Raises PipecError (nothing has been communicated yet) when the build has no model,
         when the world size is not P·D, or when the model no longer matches the plan.
@@ -256,7 +257,7 @@ class Rank:
                 mine = [s for s in pipeline.stages if layout.stage_rank[s] == rank]
                 if mine:
                     chunks = [layout.stage_chunk[s] for s in mine]
-                    built = build_stages(spec, model_plan, chunks, device=device)
+                    built = build_stages(spec, model_plan, chunks, device=device, dtype=dtype)
                     for s, module in zip(mine, built):
                         modules[s] = module.to(device)
             factory = load_factory(
@@ -287,6 +288,7 @@ class Rank:
             data_seed,
             frozenset((i.stage, i.mb) for i in program if i.op is Op.EVICT),
             frozenset((i.stage, i.mb) for i in program if split and i.op is Op.BW),
+            compute_dtype=dtype,
         )
 
     def connect(

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 
+from pipec.frontend.precision import PRECISIONS
 from pipec.runtime.lr import DECAYS, Schedule
 from pipec.runtime.optim import IMPLEMENTATIONS, OPTIMIZERS, TrainOptions
-from pipec.runtime.precision import PRECISIONS
 
 
 def _betas(text: str) -> tuple[float, float]:

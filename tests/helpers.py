@@ -64,3 +64,13 @@ def checkout_files(root: Path) -> list[Path]:
         check=True,
     ).stdout.split()
     return [root / f for f in listed if (root / f).exists() or (root / f).is_symlink()]
+
+
+def forbid_torchrun(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Make starting torchrun (runtime/torchrun.py) fail the test: for refusals that must come
+    before any rank starts."""
+
+    def started(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"torchrun was started: {args[0] if args else kwargs}")
+
+    monkeypatch.setattr("pipec.runtime.torchrun.subprocess.Popen", started)

@@ -11,14 +11,22 @@ from pipec.model import compile_model
 from tests.capture_reuse import reusing
 
 
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("spec", ["examples/gpt.py:tiny_tied", "examples/llama.py:tiny"])
-def test_a_repeated_capture_has_fresh_parameters_and_the_same_stages(monkeypatch, spec):
+def test_a_repeated_capture_has_fresh_parameters_and_the_same_stages(monkeypatch, spec, dtype):
+    """Also at bf16, where the graph is captured from a cast copy and given the model's own
+    values back."""
     plan = compile_model(spec, "bitpipe", 2, 4).plan["model"]
-    fresh = frontend.build_stages(None, plan, [0, 1])
+    fresh = frontend.build_stages(None, plan, [0, 1], dtype=dtype)
     calls = []
     capture = frontend._trace
-    monkeypatch.setattr(frontend, "_trace", reusing(lambda *a: calls.append(a) or capture(*a)))
-    first, again = (frontend.build_stages(None, plan, [0, 1]) for _ in "ab")
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args)
+        return capture(*args, **kwargs)
+
+    monkeypatch.setattr(frontend, "_trace", reusing(counted))
+    first, again = (frontend.build_stages(None, plan, [0, 1], dtype=dtype) for _ in "ab")
     assert len(calls) == 1  # the second build captured nothing
     params = [{n: p for m in ms for n, p in m.named_parameters()} for ms in (fresh, first, again)]
     assert params[0].keys() == params[2].keys()

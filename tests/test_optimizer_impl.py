@@ -34,6 +34,7 @@ def one_rank(model: torch.nn.Module) -> SimpleNamespace:
         layout=layout,
         build=SimpleNamespace(plan={"model": {"tied_parameters": []}}),
         zero=False,
+        compute_dtype=None,
         dp=1,
         dp_index=0,
         world=1,

@@ -63,8 +63,17 @@ def test_compile_and_show_print_the_partition(built, capsys):
     ]  # fmt: skip
     shares = [float(line.split()[5].rstrip("%")) for line in partition[1:]]
     assert sum(shares) == pytest.approx(100, abs=0.3)
+    # T5's LM head is its shared embedding, which both stacks embed with: one parameter
+    assert compiled[6] == (
+        "  tied: encoder.embed_tokens.weight (stage 0) = decoder.embed_tokens.weight (stage 1) "
+        "= lm_head.weight (stage 3): one parameter, its gradients summed each step"
+    )
     pipec_main(["show", str(tmp / "again" / "t5-4"), "--lines", "1"])
-    assert capsys.readouterr().out.splitlines()[1:6] == partition
+    shown = capsys.readouterr().out.splitlines()
+    assert shown[1:7] == compiled[1:7]
+    predicted = shown.index("peak bytes per rank, predicted (by term); a run adds the real peaks:")
+    rows = [line.split() for line in shown[predicted + 2 : predicted + 6]]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"] and all(r[3] == "-" for r in rows)
 
 
 def test_split_points_name_blocks_of_any_stack():
@@ -171,3 +180,28 @@ def test_many_stages_print_the_partition_in_one_line():
         "blocks: layers.0-19 (20), uniform, 20 stages",
         f"  blocks per stage {counts}; F+B+W FLOPs per stage 5.0% to 5.0% of the model's",
     ]
+
+
+SWIN = f"{Path(__file__).resolve().parent / 'frontend_models' / 'hf.py'}:swin"
+
+
+def test_stacks_of_stacks_are_cut_inside_when_that_balances_them():
+    """Hugging Face Swin: four stages of 2, 2, 6 and 2 layers. Cut at the stages, p=4 puts 49%
+    of the FLOPs on one; one level down, among the 12 layers, no stage holds over 35%."""
+    plan = build_model_plan(SWIN, 4, progress=False).to_json()
+    inner = [(f"swin.swin.encoder.layers.{i}.blocks", n) for i, n in enumerate((2, 2, 6, 2))]
+    assert [(s["path"], s["count"]) for s in plan["blocks"]["stacks"]] == inner
+    totals = [sum(s["flops"].values()) for s in plan["stages"]]
+    assert max(totals) / sum(totals) <= 0.35
+    assert plan["partition"]["mode"] == "balanced"
+
+
+def test_a_split_point_may_name_a_block_one_level_down():
+    plan = build_model_plan(
+        SWIN, 2, split_points=["swin.encoder.layers.2.blocks.3"], progress=False
+    ).to_json()
+    assert plan["partition"] == {"mode": "explicit", "blocks_per_stage": [7, 5]}
+    outer = build_model_plan(SWIN, 2, split_points=["layers.2"], progress=False).to_json()
+    assert outer["blocks"] == {"path": "swin.swin.encoder.layers", "count": 4}
+    with pytest.raises(FrontendError, match="names no block"):
+        build_model_plan(SWIN, 2, split_points=["layers.2.blocks.9"], progress=False)

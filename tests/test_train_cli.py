@@ -18,12 +18,14 @@ import torch
 
 from pipec import checkpoint
 from pipec.build_dir import check_build, emit, load
+from pipec.cli import main as pipec_main
 from pipec.frontend import load_factory
 from pipec.ir import PipecError
 from pipec.model import compile_model
 from pipec.provenance import resolve
+from pipec.runtime.options import parse_launch
 from pipec.runtime.torchrun import _Condense, torchrun
-from tests.helpers import ticking
+from tests.helpers import forbid_torchrun, ticking
 from tests.runtime_launch import refused, said_by_rank_0
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,6 +171,27 @@ def test_pipec_run_condenses_torchruns_report_once_a_rank_said_why():
 
 
 # -- one line, exit 2, before any communication ------------------------------------------------
+
+
+def test_pipec_run_refuses_eval_without_eval_data_before_starting(build, monkeypatch, capsys):
+    """The plan records whether the factory has eval_data, so `pipec run` says it before any
+    rank starts (a rank would find it too, after torchrun started)."""
+    forbid_torchrun(monkeypatch)
+    with pytest.raises(SystemExit) as run:
+        pipec_main(["run", str(build), "--eval-every", "2"])
+    err = capsys.readouterr().err
+    assert run.value.code == 2 and err.count("\n") == 1, err
+    assert "--eval-every 2: the ModelSpec of" in err and "has no eval_data" in err
+
+
+def test_an_empty_path_turns_its_option_off(tmp_path):
+    """`--save ""` cancels a config file's save (it wrote into the working directory)."""
+    config = tmp_path / "run.toml"
+    config.write_text('save = "ck"\ntensorboard = "tb"\nresume = "ck"\n')
+    argv = ["--config", str(config), "--save", "", "--tensorboard", "", "--resume", ""]
+    args = parse_launch(argv)
+    assert (args.save, args.tensorboard, args.resume) == (None, None, None)
+    assert parse_launch(["--config", ""]).save is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

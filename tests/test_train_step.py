@@ -24,11 +24,9 @@ import torch
 
 from pipec import checkpoint
 from pipec.build_dir import emit
-from pipec.frontend import load_factory
 from pipec.model import compile_model
-from pipec.runtime.data import open_source
-from pipec.runtime.lr import Schedule
 from pipec.runtime.torchrun import torchrun
+from tests.plain_loop import plain_loop
 from tests.runtime_launch import launch, refused
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,54 +44,6 @@ OPTIONS = {
 }
 
 pytestmark = pytest.mark.slow
-
-
-def plain_loop(steps: int, options: dict, bf16: bool = False) -> dict[str, list[float]]:
-    """The one-process loop the pipelined runs must equal: losses, lrs and norms per step."""
-    ms = load_factory(DATA, 0)
-    model = ms.model
-    params = dict(model.named_parameters())  # a tied parameter once
-    masters = {n: p.detach().clone() for n, p in params.items()}
-    if bf16:
-        model.to(torch.bfloat16)
-    else:
-        masters = params
-    groups = [
-        {
-            "params": [p for p in masters.values() if p.dim() >= 2],
-            "weight_decay": options["weight_decay"],
-        },
-        {"params": [p for p in masters.values() if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=tuple(options["betas"]))
-    schedule = Schedule(LR, steps, options["warmup"], options["decay"], options["min_lr"])
-    data = open_source(ms, M, 0, 0)
-    out: dict[str, list[float]] = {"losses": [], "lr": [], "grad_norm": []}
-    for step in range(1, steps + 1):
-        grads = {n: torch.zeros_like(m) for n, m in masters.items()}
-        total = 0.0
-        for inputs, target in data.next():
-            loss = ms.loss_fn(model(*inputs), target)
-            (loss / M).backward()
-            total += loss.item()
-            for n, p in params.items():  # fp32 accumulation per micro-batch, as the runtime
-                grads[n] += p.grad.float()
-                p.grad = None
-        for n, m in masters.items():
-            m.grad = grads[n]
-        norm = torch.nn.utils.clip_grad_norm_(list(masters.values()), options["max_norm"])
-        for group in opt.param_groups:
-            group["lr"] = schedule.at(step)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if bf16:
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(masters[n])
-        out["losses"].append(total / M)
-        out["lr"].append(schedule.at(step))
-        out["grad_norm"].append(norm.item())
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +84,7 @@ def runs(tmp_path_factory, builds):
 
 @pytest.fixture(scope="module")
 def plain():
-    return plain_loop(STEPS, OPTIONS)
+    return plain_loop(DATA, STEPS, M, LR, OPTIONS)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-v"])
@@ -151,7 +101,7 @@ def test_fp32_equals_the_plain_loop_with_clipping_schedule_and_groups(runs, plai
 
 @pytest.fixture(scope="module")
 def plain_bf16():
-    return plain_loop(BF16_STEPS, OPTIONS, bf16=True)
+    return plain_loop(DATA, BF16_STEPS, M, LR, OPTIONS, bf16=True)
 
 
 @pytest.mark.parametrize("name", ["bf16/1f1b", "bf16/zb-v"])

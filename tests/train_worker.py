@@ -27,6 +27,7 @@ import torch.distributed as dist
 from pipec import checkpoint
 from pipec.build_dir import load
 from pipec.frontend import load_factory
+from pipec.frontend.precision import PRECISIONS
 from pipec.runtime.data import open_source
 from pipec.runtime.faults import Watchdog
 from pipec.runtime.interpreter import HANDLERS
@@ -59,7 +60,10 @@ def train_options(lr: float, steps: int, given: dict) -> TrainOptions:
 
 def run(case: dict, watchdog: Watchdog) -> dict:
     build = load(Path(case["build"]))
-    rt = Rank.prepare(build, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    dtype = PRECISIONS[case.get("options", {}).get("precision", "fp32")]
+    rt = Rank.prepare(
+        build, dist.get_rank(), dist.get_world_size(), torch.device("cpu"), None, 0, dtype
+    )
     watchdog.describe = rt.describe
     read = []
     if rt.spec.data is not None:  # note whether the runtime asks this rank for data

@@ -68,7 +68,9 @@ def show(directory: Path, lines: int, width: int, as_json: bool) -> None:
     stats = _measured(directory)
     if stats is not None:  # written by a run of OUT/launch.py
         click.echo(measured_table(stats))
+    if build.plan.get("model"):  # the prediction, beside the real peaks after a run
         click.echo(bytes_table(_memory_rows(build, sim, stats)))
+    if stats is not None:
         _echo_planned(build.plan, stats)
 
 

@@ -26,6 +26,7 @@ from pipec.passes.registry import family
 from pipec.passes.residency import NEEDS_MODEL
 from pipec.passes.topology import make_topology
 from pipec.progress import progress
+from pipec.run_checks import check_trains_at
 
 DEVICE_HELP = (
     "Profile on this device: cpu, cuda or cuda:N, the one the build will run on (default: "
@@ -232,7 +233,7 @@ def _compile(
             evict=evict,
             mapping=mapping,
         )
-    return compile_model(
+    result = compile_model(
         model,
         schedule,
         pp,
@@ -251,6 +252,9 @@ def _compile(
         split_points=tuple(split_points.split(",")) if split_points is not None else None,
         precision=precision,
     )
+    if precision != "fp32":  # the plan says it trains at it: `pipec run` then checks nothing
+        check_trains_at(model, result.plan["model"], precision)
+    return result
 
 
 def _compile_planned(

@@ -7,6 +7,12 @@ a run of two or more composite modules of one type between other layers
 block of another stack (a mixture's `experts`) is part of that block. A container of distinct
 layers (a ResNet's `stem` of conv, BN, ReLU) is not a stack.
 
+A stack whose every block holds a stack of its own as a direct child (Swin's and ConvNeXt's
+stages of layers, a U-Net's levels of convolutions) can also be cut one level down:
+`refine(model, stacks)` lists the inner stacks in its place, so that a stage boundary may fall
+inside an outer block when its blocks differ much in cost (what the outer block does besides
+its inner stack, a downsampling, goes with the inner block before it).
+
 `find_blocks(model)` lists the stacks from the module tree alone (cheap: the block count before
 any capture); `locate(gm, stacks)` keeps those the captured forward runs, in execution order
 (of two stacks whose calls interleave, as in `zip(self.attns, self.mlps)`, the longer), and
@@ -97,6 +103,25 @@ def find_blocks(model: nn.Module) -> Stacks:
         "blocks of one type held in an nn.ModuleList or nn.Sequential "
         "(e.g. self.blocks = nn.ModuleList(Block() for _ in range(n)))"
     )
+
+
+def refine(model: nn.Module, stacks: Stacks) -> Stacks | None:
+    """`stacks` one level down where every block of a stack holds exactly one stack as a direct
+    child: those inner stacks in its place, in order; None when no stack refines."""
+    out: list[tuple[str, int]] = []
+    for path, n in stacks.stacks:
+        inner = [_inner_stack(model, f"{path}.{i}" if path else str(i)) for i in range(n)]
+        out += [s for s in inner if s is not None] if all(inner) else [(path, n)]
+    return Stacks(tuple(out)) if tuple(out) != stacks.stacks else None
+
+
+def _inner_stack(model: nn.Module, block: str) -> tuple[str, int] | None:
+    found = [
+        (f"{block}.{name}", len(m))
+        for name, m in model.get_submodule(block).named_children()
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0 and _repeated(m)
+    ]
+    return found[0] if len(found) == 1 else None
 
 
 def _repeated(m: nn.Module) -> bool:

@@ -127,6 +127,8 @@ class ModelPlan:
     micro_batch_size: the size the factory was asked for (`load_factory`), which every
         rebuild asks for again; None: the factory's own.
     capture: how the model was captured, "fx" or "export"; stages are rebuilt the same way.
+    eval_data: whether the ModelSpec holds evaluation data (`launch.py --eval-every` needs it;
+        `pipec run` refuses the option before starting when not); None in older plans.
     """
 
     spec: str | None
@@ -147,6 +149,7 @@ class ModelPlan:
     micro_batch_size: int | None = None
     capture: str = "fx"
     stacks: tuple[tuple[str, int], ...] = ()
+    eval_data: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.stacks:
@@ -178,6 +181,8 @@ class ModelPlan:
             out["micro_batch_size"] = self.micro_batch_size
         if len(self.stacks) > 1:  # likewise: a one-stack plan is its path and count
             out["blocks"]["stacks"] = [{"path": p, "count": n} for p, n in self.stacks]
+        if self.eval_data is not None:
+            out["eval_data"] = self.eval_data
         return out
 
     @staticmethod
@@ -203,6 +208,7 @@ class ModelPlan:
             d.get("micro_batch_size"),
             d.get("capture", "fx"),
             tuple((s["path"], s["count"]) for s in d["blocks"].get("stacks", ())),
+            d.get("eval_data"),
         )
 
 

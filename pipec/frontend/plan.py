@@ -11,19 +11,21 @@ Public entry points (re-exported by `pipec.frontend`):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import pairwise
 
 import torch
 from torch import fx
 
-from pipec.frontend.blocks import Stacks, find_blocks, locate
+from pipec.frontend.blocks import Stacks, find_blocks, locate, refine
 from pipec.frontend.boundaries import input_names, named_leaves, run_boundaries
 from pipec.frontend.cost import Flops, count_flops
 from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, measure_stash_bytes
 from pipec.frontend.partition import check_fits, resolve, split_point_counts
+from pipec.frontend.precision import BOUNDARY_DTYPES, PRECISIONS, at_dtype, run_at, take_values
 from pipec.frontend.spec import DEFAULT_SEED, FrontendError, ModelSpec, load_factory
 from pipec.frontend.stages import split
-from pipec.frontend.trace import export, trace
+from pipec.frontend.trace import CaptureError, export, trace
 from pipec.runtime.direct import direct_calls
 
 # Converts counted FLOPs to seconds when not profiling: a round number of the order of one
@@ -42,6 +44,7 @@ class _Traced:
     capture: str  # "fx" or "export"
     stacks: Stacks
     block_of: dict[fx.Node, int]
+    finer: _Traced | None = None  # the same graph cut one level down (`blocks.refine`)
 
 
 def build_model_plan(
@@ -82,7 +85,7 @@ def build_model_plan(
         raise FrontendError(f"replicas={replicas}: use 1, or 2 for bidirectional schedules")
     traced = _trace(spec, seed, None, device, micro_batch_size, (n_stages, v))
     ms = traced.spec
-    mode, counts = _partition(traced, n_stages, partition, split_points, v)
+    traced, mode, counts = _partition(traced, n_stages, partition, split_points, v)
     stages = split(traced.gm, traced.block_of, counts)
     inputs, output = run_boundaries(stages, ms)
     loss = _last_loss(ms)
@@ -143,6 +146,7 @@ def build_model_plan(
         micro_batch_size=micro_batch_size,
         capture=traced.capture,
         stacks=traced.stacks.stacks,
+        eval_data=ms.eval_data is not None,
     )
 
 
@@ -156,7 +160,7 @@ def split_model(
 ) -> list[fx.GraphModule]:
     """The model's stages in order; chaining them computes exactly the unsplit forward."""
     traced = _trace(spec, seed, fits=(n_stages, 1))
-    _, counts = _partition(traced, n_stages, partition, split_points)
+    traced, _, counts = _partition(traced, n_stages, partition, split_points)
     return split(traced.gm, traced.block_of, counts)
 
 
@@ -166,23 +170,31 @@ def build_stages(
     stages: list[int],
     *,
     device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    check_backward: bool = False,
 ) -> list[fx.GraphModule]:
     """Rebuild the factory with the plan's seed and partition; return `stages`' modules in order,
     as they are executed (`direct_calls`: the plan's stash bytes were measured on those).
 
     `spec` None uses the plan's own. `device`: move the model and its example there before
     capturing, so that the devices an exported graph names (`arange(..., device=...)`) are the
-    run's. Raises FrontendError when the model no longer matches the plan (different blocks or
-    parameter counts).
+    run's. `dtype`: capture the model as it computes at that precision (bf16 runs; see
+    pipec/frontend/precision.py), run the example through every stage at it (and, with
+    `check_backward`, its backward), and note each stage's boundary dtypes at it in its
+    `meta`; the modules hold the model's own values all the same.
+    Raises FrontendError when the model no longer matches the plan (different blocks or
+    parameter counts) or cannot compute at `dtype` (naming the op).
     """
     plan = ModelPlan.from_json(plan_json)
     spec = spec or plan.spec
     if spec is None:
         raise FrontendError("the plan was built from a ModelSpec object; pass the factory spec")
-    traced = _trace(spec, plan.seed, plan.capture, device, plan.micro_batch_size)
-    if traced.stacks.stacks != plan.stacks:
+    captured = _trace(spec, plan.seed, plan.capture, device, plan.micro_batch_size, dtype=dtype)
+    depths = (captured, captured.finer)
+    traced = next((t for t in depths if t and t.stacks.stacks == plan.stacks), None)
+    if traced is None:
         raise FrontendError(
-            f"{spec} now has the blocks {traced.stacks.describe()}, the plan "
+            f"{spec} now has the blocks {captured.stacks.describe()}, the plan "
             f"{Stacks(plan.stacks).describe()}; recompile"
         )
     modules = split(traced.gm, traced.block_of, list(plan.partition))
@@ -195,7 +207,24 @@ def build_stages(
                 f"stage {k} of {spec} has {params} parameters, the plan {plan.stages[k].params};"
                 " the model changed since compiling: recompile"
             )
-    return [direct_calls(modules[k]) for k in stages]
+    runnable = [direct_calls(modules[k]) for k in stages]
+    if dtype is not None:
+        try:
+            crossing = run_at(modules, traced.spec, dtype, backward=check_backward)
+        except FrontendError as e:
+            raise FrontendError(f"{_cannot_train(spec, dtype)}: {e}; {_AT_FP32}") from None
+        for k, module in zip(stages, runnable):
+            module.meta[BOUNDARY_DTYPES] = crossing[k]
+        take_values(traced.gm, traced.spec.model)  # the stages share the graph's tensors
+    return runnable
+
+
+_AT_FP32 = "train it at fp32 (drop --precision)"
+
+
+def _cannot_train(spec: str | ModelSpec, dtype: torch.dtype) -> str:
+    precision = next(name for name, d in PRECISIONS.items() if d == dtype)
+    return f"{_name(spec)} cannot train at --precision {precision}"
 
 
 def _trace(
@@ -205,14 +234,14 @@ def _trace(
     device: torch.device | str | None = None,
     micro_batch_size: int | None = None,
     fits: tuple[int, int] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> _Traced:
     """Capture the model (`capture`, else the spec's choice) and locate its blocks; with
     `device`, first move the model and its example batch there (`--device`, or a rank's own).
     `fits` (n_stages, v): refuse before capturing when the module tree holds fewer blocks
     than stages (capture only drops stacks, so the count before it is an upper bound).
-
-    "auto" takes torch.export's graph, and torch.fx's only when export fails (then, when fx
-    fails too, export's error is the one reported).
+    `dtype`: capture a copy cast to it; the graph holds the cast values (`take_values` gives it
+    the model's own).
     """
     if isinstance(spec, str):
         ms = load_factory(spec, seed, micro_batch_size)
@@ -226,26 +255,40 @@ def _trace(
         ms = on_device(ms, str(device))
     method = capture or ms.capture
     stacks = find_blocks(ms.model)
-    if fits is not None:
-        check_fits(stacks, *fits)
-    if method == "fx":
-        return _located(ms, trace(ms), "fx", stacks)
+    if fits is not None:  # the most blocks the model may be cut into, one level down included
+        check_fits(refine(ms.model, stacks) or stacks, *fits)
     try:
-        gm = export(ms)
+        gm, method = _capture(ms if dtype is None else at_dtype(ms, dtype), method)
+    except CaptureError as e:
+        if dtype is None:
+            raise
+        raise FrontendError(f"{_cannot_train(spec, dtype)}: {e.problem}; {_AT_FP32}") from None
+    ran, block_of = locate(gm, stacks)
+    traced = _Traced(ms, gm, method, ran, block_of)
+    inner = refine(ms.model, ran)
+    if inner is None:
+        return traced
+    try:
+        finer = _Traced(ms, gm, method, *locate(gm, inner))
+    except FrontendError:  # an inner block that never runs: the outer blocks are the cuts
+        return traced
+    return replace(traced, finer=finer)
+
+
+def _capture(ms: ModelSpec, method: str) -> tuple[fx.GraphModule, str]:
+    """The model's graph and how it was captured: "auto" takes torch.export's, and torch.fx's
+    only when export fails (then, when fx fails too, export's error is the one reported)."""
+    if method == "fx":
+        return trace(ms), "fx"
+    try:
+        return export(ms), "export"
     except FrontendError as export_error:
         if method == "export":
             raise
         try:
-            gm = trace(ms)
+            return trace(ms), "fx"
         except FrontendError:
             raise export_error from None
-        return _located(ms, gm, "fx", stacks)
-    return _located(ms, gm, "export", stacks)
-
-
-def _located(ms: ModelSpec, gm: fx.GraphModule, capture: str, stacks: Stacks) -> _Traced:
-    ran, block_of = locate(gm, stacks)
-    return _Traced(ms, gm, capture, ran, block_of)
 
 
 def _partition(
@@ -254,18 +297,43 @@ def _partition(
     partition: Partition,
     split_points: Sequence[str] | None,
     v: int = 1,
-) -> tuple[str, list[int]]:
-    """(mode, blocks per stage): from split points if given (argument, else spec), else from
-    `partition` (block costs are counted only for "balanced")."""
+) -> tuple[_Traced, str, list[int]]:
+    """The blocks to cut along (`traced`, or its `finer` blocks one level down), the mode and
+    the blocks per stage: from split points if given (argument, else spec), naming blocks at
+    either level, else from `partition`. One level down when the outer blocks are too few for
+    `n_stages`, and for "balanced" when it lowers the costliest stage by more than
+    `FINER_GAIN` (block costs are counted only for "balanced")."""
     points = split_points if split_points is not None else traced.spec.split_points
+    finer = traced.finer
     if points is not None:
-        return "explicit", split_point_counts(points, traced.stacks, n_stages)
+        outer = set(traced.stacks.names())
+        named = all(any(n == p or n.endswith("." + p) for n in outer) for p in points)
+        at = traced if named or finer is None else finer
+        return at, "explicit", split_point_counts(points, at.stacks, n_stages)
+    if finer is not None and n_stages > traced.stacks.n_blocks:
+        traced, finer = finer, None
     check_fits(traced.stacks, n_stages, v)
-    if partition == "balanced":
-        costs = [f.total for f in _block_flops(traced)]
-    else:
-        costs = [0] * traced.stacks.n_blocks
-    return resolve(partition, costs, n_stages)
+    if partition != "balanced":
+        return traced, *resolve(partition, [0] * traced.stacks.n_blocks, n_stages)
+    costs = [f.total for f in _block_flops(traced)]
+    mode, counts = resolve(partition, costs, n_stages)
+    if finer is not None:
+        finer_costs = [f.total for f in _block_flops(finer)]
+        _, finer_counts = resolve(partition, finer_costs, n_stages)
+        if _costliest(finer_costs, finer_counts) < (1 - FINER_GAIN) * _costliest(costs, counts):
+            return finer, mode, finer_counts
+    return traced, mode, counts
+
+
+#: How much lower the costliest stage must be for "balanced" to cut inside outer blocks: the
+#: outer blocks are the model's own units (a Swin stage), so they stay whole unless cutting
+#: inside them helps much (Swin's 2, 2, 6, 2 layers at p=4: the costliest stage 49% -> 26%).
+FINER_GAIN = 0.1
+
+
+def _costliest(costs: list[int], counts: list[int]) -> int:
+    bounds = [sum(counts[:k]) for k in range(len(counts) + 1)]
+    return max(sum(costs[a:b]) for a, b in pairwise(bounds))
 
 
 def _block_flops(traced: _Traced) -> list[Flops]:

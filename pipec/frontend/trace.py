@@ -66,7 +66,7 @@ def trace(spec: ModelSpec) -> torch.fx.GraphModule:
         with _no_autograd_functions():
             graph = tracer.trace(model, concrete_args=spec.concrete_args)
     except Exception as e:
-        raise FrontendError(_explain(e, model, "trace")) from e
+        raise CaptureError(*_explain(e, model, "trace")) from e
     _drop_guarded_placeholders(graph)
     return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
 
@@ -90,7 +90,7 @@ def export(spec: ModelSpec) -> torch.fx.GraphModule:
             program = torch.export.export(model, spec.example_inputs, kwargs, strict=False)
         gm = program.module()
     except Exception as e:
-        raise FrontendError(_explain(e, model, "export")) from e
+        raise CaptureError(*_explain(e, model, "export")) from e
     _drop_assertions(gm)
     _positional_only(gm, len(spec.example_inputs))
     _read_tied_parameters_by_owner(gm)
@@ -238,8 +238,17 @@ def _autowrapped() -> tuple[Callable[..., Any], ...]:
 _CONCRETE = "pass a concrete argument (ModelSpec.concrete_args)"
 
 
-def _explain(e: Exception, model: nn.Module, how: str) -> str:
-    """One line: which module, which file:line, what went wrong, what to do."""
+class CaptureError(FrontendError):
+    """A model that cannot be captured: `problem` says which module, which file:line and what
+    went wrong; the message adds what to do."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(f"{problem}; {fix}")
+        self.problem = problem
+
+
+def _explain(e: Exception, model: nn.Module, how: str) -> tuple[str, str]:
+    """Which module, which file:line and what went wrong; and what to do."""
     path, type_name = _failing_module(e, model)
     module = f"module '{path}' ({type_name})" if path else f"the top-level module ({type_name})"
     frame = _user_frame(e)
@@ -283,7 +292,7 @@ def _explain(e: Exception, model: nn.Module, how: str) -> str:
             "make the failing code traceable"
             + (", or mark the module a leaf (ModelSpec.leaf_modules)" if how == "trace" else ""),
         )
-    return f"cannot {how} {module} at {where}:{quoted} {what[0]}; {what[1]}"
+    return f"cannot {how} {module} at {where}:{quoted} {what[0]}", what[1]
 
 
 def _failing_module(e: BaseException, model: nn.Module) -> tuple[str, str]:

@@ -3,6 +3,8 @@
 Each failing line carries a `# FAILS` marker so tests can find its line number.
 """
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor, nn
 
@@ -136,3 +138,25 @@ def custom_function() -> ModelSpec:
 
 def wrapped_function() -> ModelSpec:
     return _spec(WrappedFunction)
+
+
+class FourierMixer(nn.Module):
+    """FNet's token mixing: the real part of a 2-D FFT, which has no bf16 kernel on CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(torch.fft.fft2(x).real)
+
+
+def fourier() -> ModelSpec:
+    """Trains at fp32; at bf16 its FFT cannot run (on CPU)."""
+    return _spec(FourierMixer)
+
+
+def fourier_fx() -> ModelSpec:
+    """`fourier` captured by torch.fx, which runs no op while capturing: its FFT fails only
+    when the stage runs at bf16."""
+    return replace(fourier(), capture="fx")
