@@ -24,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from pipec.build_dir import Build
 from pipec.frontend import FrontendError, load_factory
 from pipec.frontend.facts import ModelPlan
 from pipec.interop import export_torch_csv
@@ -131,17 +132,22 @@ def torchtitan_names(names: list[str], mapping: dict[str, str], head: str, model
     return out
 
 
-def stage_names(build_dir: Path, plan: ModelPlan, mapping: dict[str, str], head: str) -> list:
+def stage_names(build: Build, mapping: dict[str, str], head: str) -> list[list[str]]:
     """Each stage's modules in torchtitan's names: the user's model's outer modules (loaded
-    from the build's factory) on the first and last stage, its blocks in between."""
+    from the build's factory) on the first and last stage, its blocks in between; PipecError
+    for a model cut along several stacks or two modules given one name."""
+    plan = ModelPlan.from_json(build.plan["model"])
+    if len(plan.stacks) > 1:
+        raise PipecError(
+            f"--torchtitan: {build.path} is cut along several stacks of blocks; torchtitan's "
+            "decoder has one (layers)"
+        )
     try:
         spec = load_factory(
-            resolve(torch_build(build_dir).plan["model"], None, build_dir),
-            plan.seed,
-            plan.micro_batch_size,
+            resolve(build.plan["model"], None, build.path), plan.seed, plan.micro_batch_size
         )
     except FrontendError as e:
-        raise PipecError(f"{build_dir}: {e}") from None
+        raise PipecError(f"{build.path}: {e}") from None
     before, after = outer_modules(spec.model, plan.blocks_path)
     model = type(spec.model).__name__
     out = []
@@ -149,6 +155,13 @@ def stage_names(build_dir: Path, plan: ModelPlan, mapping: dict[str, str], head:
         blocks = [f"{plan.blocks_path}.{b}".lstrip(".") for b in range(*facts.blocks)]
         names = (before if s == 0 else []) + blocks + (after if s == plan.n_stages - 1 else [])
         out.append(torchtitan_names(names, mapping, head, model))
+    flat = [n for part in out for n in part]
+    twice = sorted({n for n in flat if flat.count(n) > 1})
+    if twice:
+        raise PipecError(
+            f"--torchtitan: several of {model}'s modules map to {', '.join(twice)}; give each "
+            "its own with --torchtitan-names"
+        )
     return out
 
 
@@ -167,7 +180,7 @@ def settings(build_dir: Path, csv_path: Path, form: str, mapping: dict[str, str]
         "pipeline_parallel_schedule": name,
         "pipeline_parallel_schedule_csv": str(csv_path.resolve()),
         "pipeline_parallel_microbatch_size": size,
-        "module_fqns_per_model_part": stage_names(build_dir, plan, mapping, HEADS[form]),
+        "module_fqns_per_model_part": stage_names(build, mapping, HEADS[form]),
     }
     training: dict[str, Any] = {"local_batch_size": layout.m * size}
     if form != "0.2":  # 0.3 refuses a pipeline with CUDA graphs (0.2 has none)

@@ -128,6 +128,7 @@ def test_names_map_from_hugging_face_llama_and_on_request():
         (["--torchtitan-names", "output=out"], "maps to 'out', which torchtitan's decoder lacks"),
         (["--torchtitan-names", "norm"], "give OURS=THEIRS pairs"),
         (["--torchtitan-names", "blocks=x,norm=norm"], "'blocks.0' maps to 'x.0'"),
+        (["--torchtitan-names", "output=norm"], "several of Llama's modules map to norm"),
         (["--torchtitan-version", "0.1"], "pipec writes settings for torchtitan 0.2, 0.3"),
     ],
 )
