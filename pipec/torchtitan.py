@@ -236,7 +236,8 @@ def export_torchtitan(
     text = export_torch_csv(build_dir, comms=False)
     config = settings(build_dir, csv_path, form, name_map(names))
     stem = csv_path.name.removesuffix(".csv")
-    warning = _split_backward_note(build_dir, config)
+    split = "activation_checkpoint" in config  # a split backward: see SPLIT_BACKWARD
+    warning = f"\nwarning: {build_dir} {SPLIT_BACKWARD}" if split else ""
     if form == "0.2":
         body = toml_text(config, f"torchtitan settings for {csv_path.name}, from {build_dir}")
         beside = csv_path.with_name(f"{stem}.torchtitan.toml")
@@ -253,10 +254,3 @@ def export_torchtitan(
     csv_path.write_text(text, newline="")
     beside.write_text(body)
     return f"wrote {csv_path} and {beside} ({source}); {how}:\n{body.rstrip()}" + warning
-
-
-def _split_backward_note(build_dir: Path, config: dict) -> str:
-    """The lines printed under a build whose order splits the backward (SPLIT_BACKWARD)."""
-    if "activation_checkpoint" not in config:
-        return ""
-    return f"\nwarning: {build_dir} {SPLIT_BACKWARD}"
