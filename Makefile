@@ -4,19 +4,30 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIPEC := $(VENV)/bin/pipec
 
+# torchtitan (tests/test_torchtitan.py runs pipec's exported settings in it): pinned, and installed
+# with --no-deps, which a pyproject extra cannot say, so that pip resolves no other torch. The
+# packages torchtitan imports on the tests' path come second, with their own (torch-free)
+# dependencies; Hugging Face's datasets is left out (tests/torchtitan_stubs/ stands in for it).
+TORCHTITAN := torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 torchdata==0.11.0
+TORCHTITAN_IMPORTS := tyro==1.0.17 einops==0.8.2
+
 # pip prints each package as it comes; the sizes below are what each step puts on disk
 # (measured with du on a finished .venv's site-packages).
 $(VENV)/.installed: pyproject.toml
-	@echo "pipec: creating $(VENV): about 2.2 GB on disk in 3 steps, a few minutes"
+	@echo "pipec: creating $(VENV): about 2.3 GB on disk in 4 steps, a few minutes"
 	test -x $(PY) || python3 -m venv $(VENV)
-	@echo "pipec: [1/3] upgrading pip (~10 MB)"
+	@echo "pipec: [1/4] upgrading pip (~10 MB)"
 	$(PY) -m pip install --upgrade pip
-	@echo "pipec: [2/3] installing torch 2.13.0, the CPU build, with sympy and networkx (~870 MB)"
+	@echo "pipec: [2/4] installing torch 2.13.0, the CPU build, with sympy and networkx (~870 MB)"
 	$(PY) -m pip install torch==2.13.0
-	@echo "pipec: [3/3] installing pipec (jinja2, click, safetensors) and what the tests use:" \
+	@echo "pipec: [3/4] installing pipec (jinja2, click, safetensors) and what the tests use:" \
 	    "triton (~1 GB, the attention kernel's interpreter), numpy, pytest, hypothesis, ruff," \
 	    "transformers and tensorboard (~250 MB)"
 	$(PY) -m pip install -e '.[test]'
+	@echo "pipec: [4/4] installing torchtitan for the tests without its CUDA dependencies," \
+	    "then the pure-Python packages it imports (~18 MB): $(TORCHTITAN) $(TORCHTITAN_IMPORTS)"
+	$(PY) -m pip install --no-deps $(TORCHTITAN)
+	$(PY) -m pip install $(TORCHTITAN_IMPORTS)
 	@echo "pipec: $(VENV) is ready ($$(du -sh $(VENV) | cut -f1)); the command is $(PIPEC)"
 	touch $@
 

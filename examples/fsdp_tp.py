@@ -5,13 +5,13 @@
     torchrun --nproc-per-node 4 examples/fsdp_tp.py --tp 1 --schedule interleaved  # dp 2
 
 The whole path, in order: the model factory (examples/llama.py:tiny) -> a pipec build of it
-(`--schedule`, compiled by rank 0 into `--build`) -> a (pp, dp, tp) DeviceMesh -> this
-pipeline rank's stages of the model (`pipec.torch_runtime.stage_modules`) -> tensor parallelism
-by the model's own names (TP_PLAN) and FSDP2 with bf16 compute and fp32 gradient reduction on
-each stage -> torch's `_PipelineScheduleRuntime` running the build's order
-(`pipec.torch_runtime.schedule`) -> `--steps` AdamW steps, the loss printed by rank 0. gloo on
-CPU, NCCL on GPUs (one per rank), unchanged. Data: the same synthetic micro-batches every step
-(each data-parallel rank its own), so the loss falls as the model learns them.
+(`--schedule`, compiled by rank 0 into `--build`, which each run replaces) -> a (pp, dp, tp)
+DeviceMesh -> this pipeline rank's stages of the model (`pipec.torch_runtime.stage_modules`) ->
+tensor parallelism by the model's own names (TP_PLAN) and FSDP2 with bf16 compute and fp32
+gradient reduction on each stage -> torch's `_PipelineScheduleRuntime` running the build's
+order (`pipec.torch_runtime.schedule`) -> `--steps` AdamW steps, the loss printed by rank 0.
+gloo on CPU, NCCL on GPUs (one per rank), unchanged. Data: the same synthetic micro-batches
+every step (each data-parallel rank its own), so the loss falls as the model learns them.
 """
 
 from __future__ import annotations
@@ -63,8 +63,15 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--microbatches", type=int, default=4, help="m per step (default 4)")
     ap.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    ap.add_argument("--build", type=Path, default=Path("build/fsdp_tp"), help="build directory")
-    return ap.parse_args()
+    ap.add_argument(
+        "--build",
+        type=Path,
+        help="build directory, replaced by each run (default: build/fsdp_tp/SCHEDULE-ppP-mM)",
+    )
+    args = ap.parse_args()
+    if args.build is None:  # one per configuration: a run never replaces another's
+        args.build = Path("build/fsdp_tp") / f"{args.schedule}-pp{args.pp}-m{args.microbatches}"
+    return args
 
 
 def main() -> None:
@@ -82,7 +89,8 @@ def main() -> None:
     built = torch.ones((), device=device)
     if dist.get_rank() == 0:  # the pipec build: the schedule and where the model is cut
         try:
-            emit(compile_model(MODEL, args.schedule, args.pp, args.microbatches), args.build)
+            result = compile_model(MODEL, args.schedule, args.pp, args.microbatches)
+            emit(result, args.build, force=True)  # only a pipec build is replaced
         except PipecError as e:
             print(f"fsdp_tp: {e}", file=sys.stderr)
             built.zero_()

@@ -302,5 +302,21 @@ def _copy_along(
     return copied
 
 
+def outer_modules(model: nn.Module, blocks_path: str) -> tuple[list[str], list[str]]:
+    """The names of the modules holding parameters outside the blocks at `blocks_path`, as
+    `stage_modules` places them: those registered before the blocks (the first stage's) and
+    those after (the last stage's), each in the order the forward runs them."""
+    before: list[str] = []
+    after: list[str] = []
+    module, prefix = model, ""
+    for part in blocks_path.split(".") if blocks_path else ():
+        names = [n for n, child in module._modules.items() if n == part or _holds_parameters(child)]
+        here = names.index(part)
+        before += [prefix + n for n in names[:here]]
+        after = [prefix + n for n in names[here + 1 :]] + after  # an inner module runs first
+        module, prefix = module._modules[part], f"{prefix}{part}."
+    return before, after
+
+
 def _holds_parameters(module: nn.Module | None) -> bool:
     return module is not None and any(True for _ in module.parameters())

@@ -9,7 +9,6 @@ three steps' losses equal pipec's own runtime on the same build at pp2 x dp1 (bf
 bf16's precision). The bad inputs are refused in one line without a process group.
 """
 
-import json
 from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,17 +16,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipec.build_dir import emit, load
-from pipec.cli import main as pipec_main
+from pipec.build_dir import emit
 from pipec.compile import compile_schedule
 from pipec.frontend import load_factory
-from pipec.interop import export_torch_csv
 from pipec.ir import PipecError
 from pipec.model import compile_model, model_costs, model_plan
 from pipec.passes.costs import CostModel
 from pipec.passes.registry import Request, build_schedule, family
 from pipec.torch_runtime import schedule, stage_modules
-from pipec.torchtitan import placement
 from tests.helpers import run
 from tests.runtime_launch import run_cases
 
@@ -201,55 +197,6 @@ def test_code_beside_modules_before_the_blocks_is_refused(tmp_path):
     with pytest.raises(PipecError) as e:
         stage(hidden)
     assert "modules in a row" in _one_line(e)
-
-
-def test_export_torchtitan_writes_the_csv_and_matching_settings(llama_build, tmp_path, capsys):
-    csv = tmp_path / "vhalf.csv"
-    pipec_main(["export", str(llama_build), "--out", str(csv), "--torchtitan"])
-    printed = capsys.readouterr().out
-    assert csv.read_bytes().decode() == export_torch_csv(llama_build, comms=False)
-    config = toml_settings(tmp_path / "vhalf.torchtitan.toml")
-    par = config["parallelism"]
-    assert par["pipeline_parallel_degree"] == P
-    assert par["pipeline_parallel_schedule"] == "ZBVZeroBubble"  # torchtitan places a V
-    assert par["pipeline_parallel_schedule_csv"] == str(csv.resolve())
-    parts = par["module_fqns_per_model_part"]
-    plan = load(llama_build).plan["model"]
-    assert [len([n for n in p if n.startswith("layers.")]) for p in parts] == plan["partition"][
-        "blocks_per_stage"
-    ]
-    flat = [n for p in parts for n in p]
-    assert flat == ["tok_embeddings", *(f"layers.{i}" for i in range(8)), "norm", "output"]
-    size = par["pipeline_parallel_microbatch_size"]
-    assert config["training"]["local_batch_size"] == M * size
-    assert "--parallelism.pipeline_parallel_schedule ZBVZeroBubble" in printed
-
-
-def toml_settings(path: Path) -> dict[str, dict]:
-    """The fragment's sections (its values are JSON literals, which TOML reads the same)."""
-    out: dict[str, dict] = {}
-    for line in path.read_text().splitlines():
-        if line.startswith("["):
-            section = out.setdefault(line.strip("[]"), {})
-        elif " = " in line:
-            key, value = line.split(" = ", 1)
-            section[key] = json.loads(value)
-    return out
-
-
-@pytest.mark.parametrize(("fam", "style"), [("1f1b", "loop"), ("interleaved", "loop")])
-def test_torchtitan_placement_of_looped_builds(fam, style):
-    assert placement(run(fam, 4, 8).compiled.layout) == style
-
-
-def test_export_torchtitan_refusals_write_nothing(tmp_path, capsys):
-    emit(run("chimera", 4, 8), tmp_path / "b")
-    for args in (["--out", str(tmp_path / "x.csv")], ["--out", "-"]):
-        with pytest.raises(SystemExit) as e:
-            pipec_main(["export", str(tmp_path / "b"), "--torchtitan", *args])
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and err.count("\n") == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
 
 
 def test_parameters_tied_across_stages_are_refused(tmp_path):

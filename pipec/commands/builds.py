@@ -173,16 +173,42 @@ def run_cmd(directory: Path, nproc: int | None, launch_args: tuple[str, ...]) ->
 @click.option("--out", "-o", required=True, help="File to write ('-': standard output).")
 @click.option("--comms", is_flag=True, help="Add sends, receives, REDUCE_GRAD (compute_comms).")
 @click.option("--force", is_flag=True, help="Replace an existing --out file.")
-@click.option("--torchtitan", is_flag=True, help="Also torchtitan's settings (.torchtitan.toml).")
-def export(directory: Path, fmt: str, out: str, comms: bool, force: bool, torchtitan: bool) -> None:
+@click.option(
+    "--torchtitan",
+    is_flag=True,
+    help="Also torchtitan's settings beside it (.torchtitan.args; for 0.2, .torchtitan.toml).",
+)
+@click.option(
+    "--torchtitan-version",
+    metavar="X.Y",
+    help="The torchtitan to write for (default: the installed one; 0.2 or 0.3).",
+)
+@click.option(
+    "--torchtitan-names",
+    metavar="OURS=THEIRS,...",
+    help="Module renames into torchtitan's (tok_embeddings, layers, norm, head), over the "
+    "built-in ones for Llama-style names.",
+)
+def export(
+    directory: Path,
+    fmt: str,
+    out: str,
+    comms: bool,
+    force: bool,
+    torchtitan: bool,
+    torchtitan_version: str | None,
+    torchtitan_names: str | None,
+) -> None:
     """Write a build's programs in torch.distributed.pipelining's per-rank action CSV."""
     if out != "-" and Path(out).exists() and not force:
         raise PipecError(f"--out {out} exists; pass --force to replace it, or name a new file")
     if torchtitan:
         from pipec.torchtitan import export_torchtitan
 
-        click.echo(export_torchtitan(directory, out, comms))
+        click.echo(export_torchtitan(directory, out, comms, torchtitan_version, torchtitan_names))
         return
+    if torchtitan_version or torchtitan_names:
+        raise PipecError("--torchtitan-version and --torchtitan-names go with --torchtitan")
     text = export_torch_csv(directory, comms)
     if out == "-":
         click.echo(text, nl=False)
