@@ -22,7 +22,7 @@ from pipec.frontend.cost import Flops, count_flops
 from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, measure_stash_bytes
 from pipec.frontend.partition import check_fits, resolve, split_point_counts
 from pipec.frontend.spec import DEFAULT_SEED, FrontendError, ModelSpec, load_factory
-from pipec.frontend.stages import split
+from pipec.frontend.stages import keep_persistence, split
 from pipec.frontend.trace import export, trace
 from pipec.runtime.direct import direct_calls
 
@@ -42,6 +42,18 @@ class _Traced:
     capture: str  # "fx" or "export"
     stacks: Stacks
     block_of: dict[fx.Node, int]
+
+    def stages(self, counts: list[int]) -> list[fx.GraphModule]:
+        """The stages of `counts` blocks each (`stages.split`), `persistent`."""
+        return self.persistent(split(self.gm, self.block_of, counts))
+
+    def persistent(self, stages: list[fx.GraphModule]) -> list[fx.GraphModule]:
+        """`stages`, each saving in its state_dict only what the model's own holds of it (a
+        graph module registers every buffer it copies as persistent)."""
+        persistent = self.spec.model.state_dict().keys()
+        for stage in stages:
+            keep_persistence(stage, persistent)
+        return stages
 
 
 def build_model_plan(
@@ -83,7 +95,7 @@ def build_model_plan(
     traced = _trace(spec, seed, None, device, micro_batch_size, (n_stages, v))
     ms = traced.spec
     mode, counts = _partition(traced, n_stages, partition, split_points, v)
-    stages = split(traced.gm, traced.block_of, counts)
+    stages = traced.stages(counts)
     inputs, output = run_boundaries(stages, ms)
     loss = _last_loss(ms)
     starts = [sum(counts[:k]) for k in range(n_stages)]
@@ -157,7 +169,7 @@ def split_model(
     """The model's stages in order; chaining them computes exactly the unsplit forward."""
     traced = _trace(spec, seed, fits=(n_stages, 1))
     _, counts = _partition(traced, n_stages, partition, split_points)
-    return split(traced.gm, traced.block_of, counts)
+    return traced.stages(counts)
 
 
 def build_stages(
@@ -195,7 +207,7 @@ def build_stages(
                 f"stage {k} of {spec} has {params} parameters, the plan {plan.stages[k].params};"
                 " the model changed since compiling: recompile"
             )
-    return [direct_calls(modules[k]) for k in stages]
+    return traced.persistent([direct_calls(modules[k]) for k in stages])
 
 
 def _trace(
@@ -272,7 +284,7 @@ def _block_flops(traced: _Traced) -> list[Flops]:
     """FLOPs per block: each block cut as a stage of its own and counted; what comes before
     the first block and after the last (embedding, head, loss) counts with them."""
     n = traced.stacks.n_blocks
-    blocks = split(traced.gm, traced.block_of, [1] * n)
+    blocks = traced.stages([1] * n)
     inputs, _ = run_boundaries(blocks, traced.spec)
     loss = _last_loss(traced.spec)
     return count_flops(blocks, inputs, list(range(n)), traced.stacks, loss)
