@@ -37,8 +37,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipec import checkpoint
-from pipec.build_dir import Build, check_build, load
+from pipec import checkpoint, run_lock
+from pipec.build_dir import Build, check_build, load, os_error
+from pipec.checkpoint_lineage import Lineage, check_save, later_than, set_aside
 from pipec.frontend import FrontendError, load_factory
 from pipec.ir import Op, PipecError
 from pipec.progress import progress
@@ -47,7 +48,7 @@ from pipec.run_checks import check_writable
 from pipec.runtime import named_state
 from pipec.runtime.data import open_source
 from pipec.runtime.evaluate import evaluator
-from pipec.runtime.faults import Watchdog, report
+from pipec.runtime.faults import Watchdog, end_with_parent, report
 from pipec.runtime.gather import all_gather_objects
 from pipec.runtime.gradcheck import DropoutOff, GradCapture, compare, reference_grads
 from pipec.runtime.interpreter import HANDLERS, Handler, check_program
@@ -61,6 +62,7 @@ from pipec.runtime.train_options import (
     train_options,
     zero_error,
 )
+from pipec.terminal import printable
 
 #: What a rank's start-up does, by module (pipec.progress: the outermost on the stack names it).
 START_STEPS = (
@@ -74,12 +76,15 @@ START_STEPS = (
 @dataclass(frozen=True)
 class Run:
     """What the checks every rank makes alike found: the build, the model's spec (resolved
-    from any directory), the checkpoint to resume from and its step."""
+    from any directory), the checkpoint to resume from and its step, the run's lineage and the
+    checkpoints of --save after the one resumed from (a new branch abandons them)."""
 
     build: Build
     spec: str
     resume: Path | None
     start: int
+    lineage: Lineage
+    abandoned: tuple[Path, ...] = ()
 
 
 def preflight(
@@ -130,12 +135,6 @@ def preflight(
             f"--eval-every {args.eval_every}: the ModelSpec of {spec} has no eval_data; give it "
             "eval_data (batches in the form of data) or drop --eval-every"
         )
-    if args.save and checkpoint.checkpoints(args.save) and not args.resume:
-        raise PipecError(
-            f"--save {args.save} already holds checkpoints (newest "
-            f"{checkpoint.checkpoints(args.save)[-1].name}); continue them with --resume "
-            f"{args.save}, or save elsewhere"
-        )
     resume, start = None, 0
     if args.resume:
         resume, skipped = checkpoint.newest_intact(args.resume)
@@ -149,7 +148,12 @@ def preflight(
                 f"{resume} is at step {start} and --steps is {args.steps}: nothing to train; "
                 "--steps counts from the first step, raise it"
             )
-    return Run(build, spec, resume, start)
+    lineage = Lineage.new(build.plan, build.plan_hash, resume)
+    if not args.save or args.check_grads:  # --check-grads saves nothing
+        return Run(build, spec, resume, start, lineage)
+    check_save(args.save, args.resume, lineage)
+    later = later_than(args.save, resume) if resume else []
+    return Run(build, spec, resume, start, lineage, tuple(later))
 
 
 def main(
@@ -158,6 +162,7 @@ def main(
     handlers: Mapping[Op, Handler] = HANDLERS,
 ) -> None:
     """Run one rank (RANK, WORLD_SIZE, LOCAL_RANK from torchrun's environment)."""
+    end_with_parent()  # no rank trains on once torchrun is gone
     args = parse_launch(argv)
     env = os.environ
     grank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
@@ -173,20 +178,23 @@ def main(
             run = preflight(build_dir, args, world, local_world, say=grank == 0)
         except PipecError as e:  # every rank found the same: rank 0 says it, nobody waits
             if grank == 0:
-                print(f"pipec runtime: {e}", file=sys.stderr, flush=True)
+                print(f"pipec runtime: {printable(str(e))}", file=sys.stderr, flush=True)
             sys.exit(2)
         device = rank_device(args.backend, args.share_gpu, local_rank)
         try:
             rt = Rank.prepare(run.build, grank, world, device, run.spec, args.seed)
             check_program(rt.program, handlers, rt.source)
         except PipecError as e:  # nothing was communicated: a plain exit, nobody is waiting
-            print(f"pipec runtime: rank {grank}: {e}", file=sys.stderr, flush=True)
+            print(f"pipec runtime: rank {grank}: {printable(str(e))}", file=sys.stderr, flush=True)
             sys.exit(2)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if grank == 0:
         print(f"config: {changed(launch_parser(), args)}", flush=True)
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
+    claim(run, grank, device)
+    if grank == 0 and run.resume:
+        print(f"resuming from {run.resume} (step {run.start})", flush=True)
     watchdog = Watchdog(args.timeout, rt.describe)
     code = 0
     metrics: Metrics | None = None
@@ -205,7 +213,9 @@ def main(
                 config = effective(launch_parser(), args)
                 metrics = open_metrics(rt, args, device, config)
                 print(training_line(args), flush=True)
-            save = saver(rt, args.save, args.save_every, args.steps, saved) if args.save else None
+            save = None
+            if args.save:
+                save = saver(rt, args.save, args.save_every, args.steps, saved, run.lineage)
             evaluation = evaluator(rt, args.eval_every, args.eval_steps, watchdog, metrics)
             after = [hook for hook in (save, evaluation) if hook]
             traces = train(
@@ -217,9 +227,9 @@ def main(
                 after_step=lambda step: [hook(step) for hook in after],
                 report=metrics and (lambda fig: metrics.log(fig, saved.get(fig.step))),
             )
-            done = rt.step
+            done = max(rt.step, run.start)
             if done < args.steps:  # stopped by a signal: keep what was trained
-                stopped(rt.grank, watchdog.signal_name, done, args.steps, save, saved)
+                stopped(rt.grank, watchdog.signal_name, run.start, done, args.steps, save, saved)
             else:
                 skip = warmup_kept(args.skip, done - run.start, len(traces))
                 write_measurements(rt, traces, skip)
@@ -265,11 +275,53 @@ def restore(rt: Rank, resume: Path | None, seed: int) -> int:
     return start
 
 
+def claim(run: Run, grank: int, device: torch.device) -> None:
+    """Once every rank has joined: rank 0 takes the build's lock (pipec/run_lock.py; held until
+    the process ends) and, when the run resumes from a checkpoint of --save older than others
+    there, starts a new branch (the later ones set aside, and said). When either fails, rank 0
+    says why and every rank exits 2, before anything is trained."""
+    error = ""
+    if grank == 0:
+        try:
+            run_lock.hold(run.build.path)
+            if run.abandoned:
+                branch(run)
+        except PipecError as e:
+            error = str(e)
+        except OSError as e:
+            error = os_error(e)
+    error = all_gather_objects(error, device)[0]
+    if error:
+        if grank == 0:
+            print(f"pipec runtime: {printable(error)}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        sys.exit(2)
+
+
+def branch(run: Run) -> None:
+    """Set aside the checkpoints of --save after the one `run` resumes from, and say so."""
+    save = run.abandoned[0].parent
+    aside = set_aside(save, list(run.abandoned), run.lineage)
+    names = ", ".join(p.name for p in run.abandoned)
+    print(
+        f"pipec runtime: notice: resuming from step {run.start}, older than {names} in "
+        f"{save}: a new branch; {names} moved to {aside} (kept, never resumed from again)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def saver(
-    rt: Rank, directory: Path, every: int, last: int, saved: dict[int, Path]
+    rt: Rank,
+    directory: Path,
+    every: int,
+    last: int,
+    saved: dict[int, Path],
+    lineage: Lineage | None = None,
 ) -> Callable[[int], None]:
     """After step k: a checkpoint in `directory` when k is a multiple of `every` (0: never), is
     the `last` step, or is `force`d (a stop); its path goes into `saved`, for the log line.
+    `lineage`: the run's, which its checkpoints record (pipec/checkpoint_lineage.py).
 
     One copy of each stage is written: the first pipeline's stages (bidirectional schedules
     hold a replica of each in the second) of the first data-parallel copy."""
@@ -279,7 +331,7 @@ def saver(
     def save(step: int, force: bool = False) -> None:
         if force or step == last or (every and step % every == 0):
             state = named_state.state_dict(rt.optimizer, mine)  # every ZeRO copy gathers
-            saved[step] = checkpoint.save(directory, step, state)
+            saved[step] = checkpoint.save(directory, step, state, lineage)
 
     return save
 
@@ -287,14 +339,16 @@ def saver(
 def stopped(
     grank: int,
     signal_name: str,
+    start: int,
     done: int,
     steps: int,
     save: Callable[..., None] | None,
     saved: dict[int, Path],
 ) -> None:
     """After a stop signal: a last checkpoint of the `done` steps (unless step `done` was just
-    saved), and rank 0's line saying where the run stopped."""
-    if save is not None and done not in saved and done > 0:
+    saved, or the run trained nothing since step `start`), and rank 0's line saying where the
+    run stopped."""
+    if save is not None and done not in saved and done > start:
         save(done, force=True)
     if grank == 0:
         kept = f"; checkpoint {saved[done]}" if done in saved else ""
