@@ -40,7 +40,7 @@ class Lineage:
     @staticmethod
     def new(plan: dict, plan_hash: str, resume: Path | None) -> Lineage:
         """A new run of the build of `plan` (hash `plan_hash`), resuming from `resume`."""
-        model = plan["model"].get("factory", {}).get("fingerprint", "")
+        model = (plan.get("model") or {}).get("factory", {}).get("fingerprint", "")
         where = str(Path(resume).resolve()) if resume else None
         return Lineage(model, plan_hash, uuid.uuid4().hex[:16], where)
 

@@ -41,7 +41,10 @@ class BoundStore(dist.TCPStore):
     ) -> None:
         if is_master and kwargs.get("master_listen_fd") is None:
             family, *_, address = socket.getaddrinfo(host_name, port, type=socket.SOCK_STREAM)[0]
-            server = socket.create_server(address, family=family)
+            try:
+                server = socket.create_server(address, family=family)
+            except OSError as e:  # as TCPStore's own failure to listen, which torchrun retries
+                raise RuntimeError(e.strerror or str(e)) from None
             port = server.getsockname()[1]
             kwargs["master_listen_fd"] = server.detach()  # the store closes it
         super().__init__(host_name, port, world_size, is_master, **kwargs)

@@ -9,11 +9,14 @@ The backend is NCCL with CUDA (one GPU per rank), else gloo on CPU; `--share-gpu
 ranks on each GPU over gloo, their messages staged through host memory (runtime/p2p.py), which
 is how a one-GPU machine runs a real pipeline.
 
-Order matters. First the checks every rank would fail alike (backend, the build read and
+Order matters. A rank started by torchrun first makes sure it dies with torchrun
+(runtime/faults.py). Then the checks every rank would fail alike (backend, the build read and
 verified, world size, the model's factory found and still matching the plan, the checkpoint to
-resume from): rank 0 says what is wrong in one line, every rank exits 2. Then this rank's
-stages are rebuilt (a defect: one line from that rank, exit 2). Only then does the rank join the
-process group, load the checkpoint, and train to step N, rank 0 printing each step's metrics
+resume from and its contents, the --save directory's lineage): rank 0 says what is wrong in one
+line, every rank exits 2. Then this rank's stages are rebuilt (a defect: one line from that
+rank, exit 2). Only then does the rank join the process group; rank 0 takes the build's lock
+and starts a rollback's branch (`claim`: a failure is said by rank 0, every rank exits 2);
+each rank loads the checkpoint and trains to step N, rank 0 printing each step's metrics
 and writing them to OUT/measured/metrics.jsonl (runtime/metrics.py), saving every K steps and
 at the end, evaluating every K' steps (runtime/evaluate.py); last, the measured timeline and
 figures go to OUT/measured/ and are printed beside the simulation's. A stop signal
@@ -91,7 +94,8 @@ def preflight(
     build_dir: Path, args: argparse.Namespace, world: int, local_world: int, say: bool = True
 ) -> Run:
     """The checks whose verdict is the same on every rank; PipecError names the defect. `say`:
-    this rank prints the notices (a damaged newest checkpoint skipped)."""
+    this rank prints the notices (a damaged newest checkpoint skipped). Changes nothing on
+    disk but the probe of --save: a rollback's branch is `claim`'s, after every rank joined."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.share_gpu:
         if args.backend == "nccl":
@@ -162,9 +166,10 @@ def main(
     handlers: Mapping[Op, Handler] = HANDLERS,
 ) -> None:
     """Run one rank (RANK, WORLD_SIZE, LOCAL_RANK from torchrun's environment)."""
-    end_with_parent()  # no rank trains on once torchrun is gone
     args = parse_launch(argv)
     env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env:  # started by torchrun: no rank trains on once it is gone
+        end_with_parent()
     grank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
