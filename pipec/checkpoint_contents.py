@@ -7,8 +7,9 @@ with the files' headers pipec/checkpoint_files.py's `verify` checks) and the mod
 
 - `model.NAME`: every entry of the model's state_dict, nothing else, each of the model's
   shape and dtype (a floating tensor narrower than fp32 may be saved as its fp32 master);
-- `optim.NAME.STATE`: NAME a parameter of the model; a tensor either one number (a step count)
-  or of the parameter's shape, of fp32 or the parameter's dtype; a scalar a number;
+- `optim.NAME.STATE`: NAME a parameter of the model; `step` one number (a scalar, or a tensor
+  of shape ()), any other state a tensor of the parameter's shape (a one-number `exp_avg`
+  would be broadcast, or overrun by the fused step's kernel), in fp32 or the parameter's dtype;
 - nothing else but `step`.
 """
 
@@ -49,14 +50,16 @@ def check_fits(path: Path, model: nn.Module, saved: dict | None = None, whole: b
                 f"{path}: {key} is in this checkpoint but not in the model; was it saved from "
                 "this model?"
             )
-        p = params[name]
+        p, count = params[name], key.endswith(".step")
         if key in saved["scalars"]:
             value = saved["scalars"][key]
+            if not count:
+                raise PipecError(f"{path}: {key} is {value!r}, not a tensor of {name}'s shape")
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise PipecError(f"{path}: {key} is {value!r}, not a number")
             continue
         entry = tensors[aliases.get(key, key)]
-        _fits(path, key, entry, [(), tuple(p.shape)], {"float32", _name(p.dtype)})
+        _fits(path, key, entry, [() if count else tuple(p.shape)], {"float32", _name(p.dtype)})
 
 
 def _dtypes(dtype: torch.dtype) -> set[str]:

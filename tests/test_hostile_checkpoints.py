@@ -10,6 +10,7 @@ checkpoints are the newest; one run of a build at a time.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -101,16 +102,28 @@ def test_a_tensor_of_another_dtype_is_refused(build, tmp_path, monkeypatch, caps
         checkpoint.load_full(tmp_path, load_factory(DATA).model)
 
 
-@pytest.mark.parametrize("size", [64, 16])
-def test_an_optimizer_state_of_another_size_is_refused(build, tmp_path, monkeypatch, capsys, size):
+@pytest.mark.parametrize(
+    "state, shape, model",
+    [
+        ("exp_avg", (64,), (32,)),
+        ("exp_avg", (16,), (32,)),
+        ("exp_avg", (), (32,)),
+        ("step", (32,), ()),
+    ],
+)
+def test_an_optimizer_state_of_another_size_is_refused(
+    build, tmp_path, monkeypatch, capsys, state, shape, model
+):
+    """Twice or half its parameter's size, one number (which fused AdamW's kernel overruns), or
+    a step count the parameter's size."""
     ck = saved(tmp_path, 2, optim=True)
-    key = f"optim.{PARAM}.exp_avg"
+    key = f"optim.{PARAM}.{state}"
 
     def resize(tensors: dict[str, torch.Tensor]) -> None:
-        tensors[key] = tensors[key].repeat(2)[:size].clone()
+        tensors[key] = tensors[key].reshape(-1).repeat(64)[: math.prod(shape)].reshape(shape)
 
     tampered(ck, resize)
-    said = f"{key} is float32 ({size},) in this checkpoint, float32 () or (32,) in the model"
+    said = f"{key} is float32 {shape} in this checkpoint, float32 {model} in the model"
     assert said in refusal(build, monkeypatch, capsys, "--resume", str(tmp_path))
 
 
