@@ -4,9 +4,9 @@ The launch options are parsed by launch.py's own parser (runtime/main.py), so ev
 the runtime knows is checked here the same way, in one line; the build must load (a corrupted
 plan.json or program is named), its launch.py and model factory must be the plan's (pipec run
 executes them), `--nproc` must be the build's P·D ranks, no other run may be running the build
-(pipec/run_lock.py), and a `--save` directory must take a file (a probe, written and removed)
-and hold no checkpoints of another model, build or run (pipec/checkpoint_lineage.py) before
-any rank trains.
+or saving into `--save` (pipec/run_lock.py), and a `--save` directory must take a file (a
+probe, written and removed) and hold no checkpoints of another model, build or run
+(pipec/checkpoint_lineage.py) before any rank trains.
 """
 
 from __future__ import annotations
@@ -83,9 +83,10 @@ def check_run(build: Path, nproc: int | None, args: Sequence[str]) -> int | None
     check_launch(loaded)  # pipec run executes it: it must be the plan's
     if loaded.plan.get("model") is not None and options.model is None:
         check_factory(loaded.plan["model"], loaded.path)
-    check_free(loaded.path)
+    saves = options.save is not None and not options.check_grads  # --check-grads saves nothing
+    check_free(loaded.path, options.save if saves else None)
     if options.save is not None:
         check_writable(options.save)
-    if options.save is not None and not options.check_grads:  # --check-grads saves nothing
+    if saves:
         check_save(options.save, options.resume, Lineage.new(loaded.plan, loaded.plan_hash, None))
     return ranks

@@ -79,14 +79,16 @@ START_STEPS = (
 @dataclass(frozen=True)
 class Run:
     """What the checks every rank makes alike found: the build, the model's spec (resolved
-    from any directory), the checkpoint to resume from and its step, the run's lineage and the
-    checkpoints of --save after the one resumed from (a new branch abandons them)."""
+    from any directory), the checkpoint to resume from and its step, the run's lineage, the
+    directory it saves into (None: it saves nothing) and the checkpoints there after the one
+    resumed from (a new branch abandons them)."""
 
     build: Build
     spec: str
     resume: Path | None
     start: int
     lineage: Lineage
+    save: Path | None = None
     abandoned: tuple[Path, ...] = ()
 
 
@@ -157,7 +159,7 @@ def preflight(
         return Run(build, spec, resume, start, lineage)
     check_save(args.save, args.resume, lineage)
     later = later_than(args.save, resume) if resume else []
-    return Run(build, spec, resume, start, lineage, tuple(later))
+    return Run(build, spec, resume, start, lineage, Path(args.save), tuple(later))
 
 
 def main(
@@ -281,14 +283,15 @@ def restore(rt: Rank, resume: Path | None, seed: int) -> int:
 
 
 def claim(run: Run, grank: int, device: torch.device) -> None:
-    """Once every rank has joined: rank 0 takes the build's lock (pipec/run_lock.py; held until
-    the process ends) and, when the run resumes from a checkpoint of --save older than others
-    there, starts a new branch (the later ones set aside, and said). When either fails, rank 0
-    says why and every rank exits 2, before anything is trained."""
+    """Once every rank has joined: rank 0 takes the locks of the build and of --save
+    (pipec/run_lock.py; held until the process ends) and, when the run resumes from a
+    checkpoint of --save older than others there, starts a new branch (the later ones set
+    aside, and said). When either fails, rank 0 says why and every rank exits 2, before
+    anything is trained."""
     error = ""
     if grank == 0:
         try:
-            run_lock.hold(run.build.path)
+            run_lock.hold(run.build.path, run.save)
             if run.abandoned:
                 branch(run)
         except PipecError as e:

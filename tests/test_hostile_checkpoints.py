@@ -238,26 +238,34 @@ def test_a_rollback_starts_a_branch_whose_checkpoints_are_newest(build, tmp_path
     assert checkpoint.manifest(again.resume)["run"]["resumed_from"] == str(z / "step_000005")
 
 
-# -- one run of a build at a time -----------------------------------------------------------------
+# -- one run at a time per build and per --save directory -------------------------------------
 
 
-def test_a_second_run_of_a_build_is_refused(build, tmp_path, monkeypatch, capsys):
-    """The lock held (as by a run's rank 0): `pipec run` refuses before torchrun starts, and
-    rank 0 of a launch after joining, every rank exiting 2; released, the build runs again."""
-    fd = run_lock.hold(build)
+@pytest.mark.parametrize("held", ["build", "save"])
+def test_a_second_run_is_refused(build, tmp_path, monkeypatch, capsys, held):
+    """The lock of the build, or of the --save directory (by a run of another build), held as
+    by a run's rank 0: `pipec run` refuses before torchrun starts, and rank 0 of a launch after
+    joining, every rank exiting 2; released, the run may start."""
+    save = tmp_path / "ckpt"
+    fds = run_lock.hold(build) if held == "build" else run_lock.hold(tmp_path / "other", save)
+    said = {
+        "build": f"{build} is being run already (pid {os.getpid()} on ",
+        "save": f"--save {save} is being saved into by another run (pid {os.getpid()} on ",
+    }[held]
+    args = ["--save", str(save), "--steps", "3"]
     try:
-        said = f"{build} is being run already (pid {os.getpid()} on "
         with pytest.raises(SystemExit) as e:
-            pipec_main(["run", str(build)])
+            pipec_main(["run", str(build), *args])
         assert e.value.code == 2 and said in capsys.readouterr().err
         store = dist.FileStore(str(tmp_path / "store"), 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        run = preflight(build, parse_launch([]), world=2, local_world=2)
+        run = preflight(build, parse_launch(args), world=2, local_world=2)
         with pytest.raises(SystemExit) as e:
             claim(run, 0, torch.device("cpu"))
         assert e.value.code == 2 and not dist.is_initialized()
         err = capsys.readouterr().err
         assert err.startswith(f"pipec runtime: {said}") and err.count("\n") == 1
     finally:
-        os.close(fd)
-    run_lock.check_free(build)
+        for fd in fds:
+            os.close(fd)
+    run_lock.check_free(build, save)
