@@ -13,7 +13,7 @@ TORCHTITAN_IMPORTS := tyro==1.0.17 einops==0.8.2
 
 # pip prints each package as it comes; the sizes below are what each step puts on disk
 # (measured with du on a finished .venv's site-packages).
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	@echo "pipec: creating $(VENV): about 2.3 GB on disk in 4 steps, a few minutes"
 	test -x $(PY) || python3 -m venv $(VENV)
 	@echo "pipec: [1/4] upgrading pip (~10 MB)"

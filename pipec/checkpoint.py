@@ -3,9 +3,10 @@
     DIR/step_000006/                  a complete checkpoint
         rank_00000.safetensors        the tensors rank 0 owned, under their names
         rank_00001.safetensors        ...one file per rank that had something to write
-        manifest.json                 written last: step, every file's sha256 and size, which
-                                      file holds each tensor (shape, dtype), the JSON scalars
-    DIR/step_000003/                  the one before it (the two newest are kept)
+        manifest.json                 written last (pipec/checkpoint_manifest.py): step, every
+                                      file's sha256 and size, which file holds each tensor
+                                      (shape, dtype), aliases, the JSON scalars, the run
+    DIR/step_000003/                  the one before it (a run keeps its two newest)
     DIR/.step_000009.partial/         a save under way, or one killed mid-write: never read
 
 Keys: `model.NAME` for every entry of the model's state_dict (`model.blocks.3.attn.qkv.weight`),
@@ -13,12 +14,15 @@ Keys: `model.NAME` for every entry of the model's state_dict (`model.blocks.3.at
 exp_avg_sq), and `step`, the number of training steps done. Pipeline stages keep the model's
 names and a load reads each name from whichever file holds it, so a checkpoint saved by one
 build loads into any other partition, schedule or rank count of the same model, and into the
-plain model in one process (`load_full`).
+plain model in one process (`load_full`). Each tensor is written once: a tied parameter's
+other names (an LM head tied to the embedding) are `Alias`es of its first, listed in the
+manifest's `aliases`; a tensor several ranks hold under one name (a buffer every stage reads)
+is written by the first of them.
 
 Nothing read back is unpickled: safetensors holds only tensors and JSON, the manifest is JSON.
-A load first checks every file against the manifest's sha256 (`verify`, in
-pipec/checkpoint_files.py) and names the first bad one; `newest_intact` skips a damaged newest
-checkpoint for the one before it.
+A load first checks every file against the manifest (`verify`, in pipec/checkpoint_files.py)
+and the manifest against the model (`check_fits`, pipec/checkpoint_contents.py), and names the
+first defect; `newest_intact` skips a damaged newest checkpoint for the one before it.
 
 Atomic: every rank writes into the .partial directory and describes its file in a small
 JSON beside it; after a barrier rank 0 folds those into manifest.json (written to a temporary
@@ -32,6 +36,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,9 +45,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from pipec.checkpoint_contents import check_fits
 from pipec.checkpoint_files import (
-    FORMAT,
-    MANIFEST,
     checkpoints,
     describe,
     manifest,
@@ -50,32 +54,52 @@ from pipec.checkpoint_files import (
     step_dir,
     verify,
 )
+from pipec.checkpoint_lineage import Lineage, prune, sync
+from pipec.checkpoint_manifest import FORMAT, MANIFEST
 from pipec.ir import PipecError
 
-KEEP = 2  # newest checkpoints kept; older ones are removed after each save
+__all__ = [  # the files' helpers are part of what this module offers
+    "Alias", "check_fits", "checkpoints", "export_model", "keys_of", "latest", "load",
+    "load_full", "manifest", "newest_intact", "read", "save", "saved_step", "state_dict",
+    "step_dir", "verify",
+]  # fmt: skip
+KEEP = 2  # a run's newest checkpoints kept; its older ones are removed after each save
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A key whose tensor is key `of`'s (a tied parameter's other name): written once, as `of`."""
+
+    of: str
 
 
 def state_dict(modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None) -> dict:
     """What `save` writes for `modules`: their state_dicts and their parameters' optimizer
-    state, under the model's names (a parameter with two names is written under both)."""
+    state, under the model's names (a tensor with two names: an `Alias` under the second)."""
     state: dict[str, object] = {}
+    first: dict[int, str] = {}  # a tensor's first name
     for module in modules:
-        state |= {f"model.{name}": t for name, t in module.state_dict().items()}
+        for name, t in module.state_dict(keep_vars=True).items():
+            known = first.setdefault(id(t), name)
+            state[f"model.{name}"] = t.detach() if known == name else Alias(f"model.{known}")
         if optimizer is not None:
             for name, p in module.named_parameters(remove_duplicate=False):
+                known = first.setdefault(id(p), name)
                 for key, value in optimizer.state.get(p, {}).items():
-                    state[f"optim.{name}.{key}"] = value
+                    own = known == name
+                    state[f"optim.{name}.{key}"] = value if own else Alias(f"optim.{known}.{key}")
     return state
 
 
 # -- saving ---------------------------------------------------------------------------------------
 
 
-def save(directory: Path, step: int, state: dict) -> Path:
+def save(directory: Path, step: int, state: dict, lineage: Lineage | None = None) -> Path:
     """Write `state` (this rank's part, see `state_dict`) as DIR/step_N; every rank calls it.
 
-    Each rank writes its tensors to its own file; rank 0 then writes the manifest, publishes
-    the checkpoint with one rename and removes all but the `KEEP` newest. Returns its path.
+    Each rank writes its tensors to its own file; rank 0 then writes the manifest (recording
+    `lineage`, the run), publishes the checkpoint with one rename and removes the run's own
+    checkpoints but its `KEEP` newest. Returns its path.
     """
     directory = Path(directory)
     distributed = dist.is_initialized()
@@ -93,7 +117,7 @@ def save(directory: Path, step: int, state: dict) -> Path:
     if distributed:
         dist.barrier()  # every rank's file and its description are on disk
     if rank == 0:
-        _write_manifest(partial, step)
+        _write_manifest(partial, step, lineage)
         if final.exists():  # a step saved again (a resumed run re-saving it): replace it
             old = directory / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -102,20 +126,24 @@ def save(directory: Path, step: int, state: dict) -> Path:
             shutil.rmtree(old)
         else:
             partial.rename(final)
-        _sync(directory)
-        for stale in checkpoints(directory)[:-KEEP]:
-            shutil.rmtree(stale)
+        sync(directory)
+        if lineage is not None:
+            prune(directory, lineage, KEEP)
     return final
 
 
 def _write_part(partial: Path, rank: int, state: dict) -> None:
     """This rank's tensors as rank_R.safetensors, and rank_R.json: its file's sha256 and size,
-    each tensor's shape and dtype, and the values that are not tensors (JSON scalars)."""
+    each tensor's shape and dtype, the aliases and the values that are not tensors (JSON
+    scalars)."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, object] = {}
+    aliases: dict[str, str] = {}
     storages: set[int] = set()
     for key, value in state.items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, Alias):
+            aliases[key] = value.of
+        elif isinstance(value, torch.Tensor):
             t = value.detach().cpu().contiguous()
             # safetensors refuses two names on one storage (tied weights): give each its own.
             ptr = t.untyped_storage().data_ptr()
@@ -128,7 +156,7 @@ def _write_part(partial: Path, rank: int, state: dict) -> None:
                 f"checkpoint: {key} is a {type(value).__name__}, not a tensor or scalar"
             )
     name = f"rank_{rank:05d}.safetensors"
-    part: dict = {"scalars": scalars, "files": {}, "tensors": {}}
+    part: dict = {"scalars": scalars, "aliases": aliases, "files": {}, "tensors": {}}
     if tensors:
         save_file(tensors, str(partial / name))
         part["files"][name] = describe(partial / name)
@@ -139,14 +167,22 @@ def _write_part(partial: Path, rank: int, state: dict) -> None:
     _write_json(partial / f"rank_{rank:05d}.json", part)
 
 
-def _write_manifest(partial: Path, step: int) -> None:
-    """Fold the ranks' descriptions into manifest.json (atomically) and remove them."""
-    folded: dict = {"format": FORMAT, "step": step, "files": {}, "tensors": {}, "scalars": {}}
+def _write_manifest(partial: Path, step: int, lineage: Lineage | None) -> None:
+    """Fold the ranks' descriptions into manifest.json (atomically) and remove them. A key
+    two ranks wrote, or an alias of a tensor nobody wrote, is a fault of the saving code: the
+    save fails rather than publish a manifest that is not what was written."""
+    run = lineage.record() if lineage else None
+    folded: dict = {"format": FORMAT, "step": step, "run": run, "files": {}, "tensors": {}}
+    folded |= {"aliases": {}, "scalars": {}}
     parts = sorted(partial.glob("rank_*.json"))
     for part_file in parts:
         part = json.loads(part_file.read_text())
-        for key in ("files", "tensors", "scalars"):
+        for key in ("files", "tensors", "aliases", "scalars"):
+            if twice := folded[key].keys() & part[key].keys():
+                raise PipecError(f"checkpoint: {min(twice)} written by two ranks")
             folded[key] |= part[key]
+    if lost := set(folded["aliases"].values()) - folded["tensors"].keys():
+        raise PipecError(f"checkpoint: {min(lost)} aliased but written by no rank")
     folded["scalars"]["step"] = step
     _write_json(partial / MANIFEST, folded)
     for part_file in parts:
@@ -163,15 +199,6 @@ def _write_json(path: Path, value: dict) -> None:
     tmp.replace(path)
 
 
-def _sync(directory: Path) -> None:
-    """Make the rename durable (a power cut after it must not bring the old name back)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # -- reading --------------------------------------------------------------------------------------
 
 
@@ -185,36 +212,23 @@ def saved_step(path: Path) -> int:
     return int(manifest(path)["step"])
 
 
-def check_fits(path: Path, model: nn.Module, saved: dict | None = None) -> None:
-    """Raise PipecError unless checkpoint `path` (whose manifest `saved` is, when already read)
-    holds every entry of `model`'s state_dict with its shape: a checkpoint of another model is
-    refused before anything is loaded."""
-    tensors = (saved or manifest(path))["tensors"]
-    for name, t in model.state_dict().items():
-        entry = tensors.get(f"model.{name}")
-        if entry is None:
-            raise PipecError(f"{path}: no {name} in this checkpoint; was it saved from this model?")
-        if tuple(entry["shape"]) != tuple(t.shape):
-            raise PipecError(
-                f"{path}: {name} is {tuple(entry['shape'])} in this checkpoint, {tuple(t.shape)} "
-                "in the model; was it saved from this model?"
-            )
-
-
 def read(path: Path, keys: Iterable[str], saved: dict) -> dict[str, object]:
     """The values of `keys` in checkpoint `path` (manifest `saved`), each tensor read from the
-    file that holds it (on the CPU) and each scalar from the manifest."""
-    by_file: dict[str, list[str]] = {}
+    file that holds it (on the CPU; an alias's is its tensor's) and each scalar from the
+    manifest."""
+    aliases = saved.get("aliases", {})
+    keys = list(keys)
+    by_file: dict[str, set[str]] = {}
     out: dict[str, object] = {}
-    for key in keys:
+    for key in {aliases.get(k, k) for k in keys}:
         if key in saved["tensors"]:
-            by_file.setdefault(saved["tensors"][key]["file"], []).append(key)
+            by_file.setdefault(saved["tensors"][key]["file"], set()).add(key)
         else:
             out[key] = saved["scalars"][key]
     for name, wanted in by_file.items():
         with safe_open(str(Path(path) / name), framework="pt") as f:
             out |= {key: f.get_tensor(key) for key in wanted}
-    return out
+    return {key: out[aliases.get(key, key)] for key in keys}
 
 
 def load(
@@ -227,13 +241,15 @@ def load(
     of the modules' parameters; hyperparameters stay the optimizer's). Returns the step.
 
     Reads only (no collective): each rank of a pipelined run loads its own stages. `check`
-    verifies the files first (off only where the caller has just verified them).
+    verifies the files and checks the contents against the modules first (off only where the
+    caller has just done so).
     """
     path = Path(path)
     modules = list(modules)
     saved = verify(path) if check else manifest(path)
     for module in modules:
-        check_fits(path, module, saved)
+        if check:
+            check_fits(path, module, saved, whole=False)
         keys = [f"model.{name}" for name in module.state_dict()]
         values = read(path, keys, saved)
         module.load_state_dict({k.removeprefix("model."): values[k] for k in keys})
@@ -248,7 +264,7 @@ def _load_optimizer(
     """The saved state of each optimized parameter of `modules`, found by its name."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     index = {id(p): i for i, p in enumerate(params)}
-    every = saved["tensors"].keys() | saved["scalars"].keys()
+    every = keys_of(saved)
     loaded: dict[int, dict[str, object]] = {}
     for module in modules:
         for name, p in module.named_parameters(remove_duplicate=False):
@@ -271,7 +287,8 @@ def load_full(
     the plain, unpartitioned `model` in one process, and its optimizer state into `optimizer`
     if given. Returns the number of steps the checkpoint had trained."""
     path = latest(directory)
-    return load(path, [model], optimizer, check=False)  # latest verified it
+    check_fits(path, model)
+    return load(path, [model], optimizer, check=False)  # both checked here
 
 
 def export_model(path: Path, out: Path, notice: Callable[[str], None] | None = None) -> Path:
@@ -283,10 +300,19 @@ def export_model(path: Path, out: Path, notice: Callable[[str], None] | None = N
         if notice:
             notice(line)
     saved = manifest(path)
-    keys = sorted(k for k in saved["tensors"] if k.startswith("model."))
+    keys = sorted(k for k in keys_of(saved) if k.startswith("model."))
     values = read(path, keys, saved)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     target = out / "model.safetensors"
-    save_file({k.removeprefix("model."): values[k] for k in keys}, str(target), {"format": "pt"})
+    aliases = saved.get("aliases", {})
+    # safetensors refuses two names on one tensor: a tied name gets its own copy
+    tensors = {k.removeprefix("model."): values[k] for k in keys}
+    tensors |= {k.removeprefix("model."): values[k].clone() for k in keys if k in aliases}
+    save_file(tensors, str(target), {"format": "pt"})
     return target
+
+
+def keys_of(saved: dict) -> set[str]:
+    """Every key of a checkpoint (manifest `saved`): tensors, aliases and scalars."""
+    return saved["tensors"].keys() | saved.get("aliases", {}).keys() | saved["scalars"].keys()

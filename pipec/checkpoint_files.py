@@ -1,25 +1,24 @@
 """A checkpoint's files: where checkpoints are, their manifest, and checking files against it.
 
-A checkpoint `DIR/step_N` is complete when it has a manifest.json (its last file); `verify`
-checks every file the manifest lists (present, its size, its sha256, the tensors its
-safetensors header holds) and names the first bad one. Nothing here unpickles: the manifest is
-JSON and a safetensors header is JSON. pipec/checkpoint.py writes and loads checkpoints.
+A checkpoint `DIR/step_N` is complete when it has a manifest.json (its last file, of the form
+pipec/checkpoint_manifest.py reads); `verify` checks every file the manifest lists (present,
+its size, its sha256, the tensors its safetensors header holds, with their shapes and dtypes)
+and names the first bad one. Nothing here unpickles: the manifest is JSON and a safetensors
+header is JSON. pipec/checkpoint.py writes and loads checkpoints.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from pathlib import Path
 
 from safetensors import safe_open
 
+from pipec.checkpoint_manifest import DTYPES, MANIFEST, MAX_BYTES, parse
 from pipec.ir import PipecError
 
-FORMAT = "pipec.checkpoint/1"
-MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step_(\d{6,})$")
 _OLD = ".metadata"  # torch.distributed.checkpoint's pickled metadata: the format before this one
 
@@ -28,7 +27,7 @@ def step_dir(directory: Path, step: int) -> Path:
     return Path(directory) / f"step_{step:06d}"
 
 
-def _step_dirs(directory: Path) -> list[Path]:
+def step_dirs(directory: Path) -> list[Path]:
     """Every step_N directory in `directory`, complete or not, oldest first."""
     if not directory.is_dir():
         return []
@@ -38,7 +37,7 @@ def _step_dirs(directory: Path) -> list[Path]:
 
 def checkpoints(directory: Path) -> list[Path]:
     """The complete checkpoints in `directory` (those with a manifest), oldest first."""
-    return [p for p in _step_dirs(Path(directory)) if (p / MANIFEST).is_file()]
+    return [p for p in step_dirs(Path(directory)) if (p / MANIFEST).is_file()]
 
 
 def describe(path: Path) -> dict:
@@ -68,17 +67,12 @@ def manifest(path: Path) -> dict:
             )
         raise PipecError(f"{path}: no {MANIFEST}, so not a complete checkpoint")
     try:
-        found = json.loads(file.read_text())
-        if found.get("format") != FORMAT:
-            raise ValueError(f"format {found.get('format')!r}, expected {FORMAT}")
-        int(found["step"])
-        for entry in found["files"].values():
-            int(entry["bytes"]), str(entry["sha256"])
-        for entry in found["tensors"].values():
-            if entry["file"] not in found["files"]:
-                raise ValueError(f"a tensor in {entry['file']!r}, which it does not list")
-        dict(found["scalars"])
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        with open(file, "rb") as f:
+            found = parse(f.read(MAX_BYTES + 1))
+        named = _STEP.match(path.name)
+        if named and int(named[1]) != found["step"]:
+            raise ValueError(f"step {found['step']} in a directory named {path.name}")
+    except (ValueError, OSError) as e:
         raise PipecError(f"{file}: not a pipec checkpoint manifest ({e})") from None
     return found
 
@@ -108,14 +102,22 @@ def verify(path: Path) -> dict:
 
 def _check_tensors(file: Path, listed: dict[str, dict]) -> None:
     """Raise PipecError unless safetensors file `file` holds exactly the `listed` tensors, with
-    their shapes (its header only: the data is not read)."""
+    their shapes and dtypes (its header only: the data is not read)."""
     try:
         with safe_open(str(file), framework="pt") as f:
-            shapes = {key: list(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+            header = {key: f.get_slice(key) for key in f.keys()}  # noqa: SIM118
+            held = {k: (list(t.get_shape()), t.get_dtype()) for k, t in header.items()}
     except Exception as e:  # noqa: BLE001 - safetensors' own error type, or an OS error
         raise PipecError(f"{file}: not a safetensors file ({e})") from None
-    if shapes != {key: entry["shape"] for key, entry in listed.items()}:
+    if held.keys() != listed.keys():
         raise PipecError(f"{file}: its tensors are not those its manifest lists")
+    for key, (shape, code) in sorted(held.items()):
+        entry, dtype = listed[key], DTYPES.get(code, code)
+        if (shape, dtype) != (entry["shape"], entry["dtype"]):
+            raise PipecError(
+                f"{file}: {key} is {dtype} {tuple(shape)} in the file, {entry['dtype']} "
+                f"{tuple(entry['shape'])} in the manifest"
+            )
 
 
 def newest_intact(path: Path) -> tuple[Path, list[str]]:
@@ -126,7 +128,7 @@ def newest_intact(path: Path) -> tuple[Path, list[str]]:
         verify(path)
         return path, []
     skipped: list[str] = []
-    candidates = _step_dirs(path)
+    candidates = step_dirs(path)
     for candidate in reversed(candidates):
         try:
             verify(candidate)

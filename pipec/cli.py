@@ -20,6 +20,7 @@ from pipec.commands.planning import plan_cmd
 from pipec.compile import gc_paused
 from pipec.ir import PipecError
 from pipec.passes.registry import SCHEDULES, family
+from pipec.terminal import printable
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -49,18 +50,18 @@ def main(argv: list[str] | None = None) -> object:
     except click.exceptions.Abort:
         click.echo("pipec: aborted", err=True)
         sys.exit(130)
-    except click.UsageError as e:
-        click.echo(f"pipec: error: {e.format_message()}", err=True)
-        sys.exit(2)
-    except click.ClickException as e:
-        click.echo(f"pipec: error: {e.format_message()}", err=True)
-        sys.exit(2)
+    except click.ClickException as e:  # a UsageError too
+        _refuse(e.format_message())
     except PipecError as e:
-        click.echo(f"pipec: error: {e}", err=True)
-        sys.exit(2)
+        _refuse(str(e))
     except OSError as e:
-        click.echo(f"pipec: error: {os_error(e)}", err=True)
-        sys.exit(2)
+        _refuse(os_error(e))
+
+
+def _refuse(message: str) -> NoReturn:
+    """Say `message` in one line (its paths as typed, control characters escaped), exit 2."""
+    click.echo(f"pipec: error: {printable(message)}", err=True)
+    sys.exit(2)
 
 
 def _terminated(signum: int, frame: object) -> NoReturn:

@@ -3,8 +3,10 @@
 The launch options are parsed by launch.py's own parser (runtime/main.py), so every option
 the runtime knows is checked here the same way, in one line; the build must load (a corrupted
 plan.json or program is named), its launch.py and model factory must be the plan's (pipec run
-executes them), `--nproc` must be the build's P·D ranks, and a `--save` directory must take a
-file (a probe, written and removed) before any rank trains.
+executes them), `--nproc` must be the build's P·D ranks, no other run may be running the build
+or saving into `--save` (pipec/run_lock.py), and a `--save` directory must take a file (a
+probe, written and removed) and hold no checkpoints of another model, build or run
+(pipec/checkpoint_lineage.py) before any rank trains.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ def check_run(build: Path, nproc: int | None, args: Sequence[str]) -> int | None
     """Every check `pipec run BUILD [--nproc N] ARGS` makes before starting torchrun; returns
     the number of ranks to start, or None when only `--help` was asked for."""
     from pipec.build_dir import check_launch, load
+    from pipec.checkpoint_lineage import Lineage, check_save
     from pipec.provenance import check_factory, resolve
+    from pipec.run_lock import check_free
     from pipec.runtime.train_options import zero_error
 
     if not (Path(build) / "launch.py").is_file():
@@ -81,8 +85,12 @@ def check_run(build: Path, nproc: int | None, args: Sequence[str]) -> int | None
     model_plan = loaded.plan.get("model")
     if model_plan is not None and options.model is None:
         check_factory(model_plan, loaded.path)
+    saves = options.save is not None and not options.check_grads  # --check-grads saves nothing
+    check_free(loaded.path, options.save if saves else None)
     if options.save is not None:
         check_writable(options.save)
+    if saves:
+        check_save(options.save, options.resume, Lineage.new(loaded.plan, loaded.plan_hash, None))
     if model_plan is None:
         return ranks
     if options.eval_every and not options.check_grads and model_plan.get("eval_data") is False:

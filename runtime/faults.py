@@ -17,11 +17,16 @@ instruction for `STALL_S` (a dead or hung peer: torchrun's failure stop) or has 
 where it was. gloo's own timeout is set to the same bound as the watchdog's
 (`init_process_group(timeout=...)`), so a wait on a dead peer also fails on its own.
 
+A rank ends with torchrun (`end_with_parent`): killed by the kernel the moment torchrun
+exits, so that torchrun killed with SIGKILL (its parent `pipec run` killed by the OOM killer or
+a CI cancel, runtime/agent.py) leaves no rank training on and saving into `--save`.
+
 This module must not import torch: launch.py calls `take_termination_signals` first.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -30,6 +35,10 @@ import time
 from collections.abc import Callable
 
 EXIT_FAULT = 3
+#: The pid of the process that started this one, set by the process that starts it
+#: (`pipec run` for torchrun, pipec's torchrun for its ranks): see `end_with_parent`.
+PARENT_PID = "PIPEC_PARENT_PID"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 DEFAULT_TIMEOUT_S = 60.0
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 # After a stop signal: an instruction waited on this long will not finish (its peer is gone);
@@ -43,6 +52,18 @@ def take_termination_signals() -> None:
     """Block SIGTERM and SIGINT in this thread and the threads it starts later; the watchdog
     takes them."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def end_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent exits, however it exits (Linux's
+    parent-death signal; elsewhere nothing). A parent gone already, before this call (its pid
+    no longer this process's parent pid, when PARENT_PID names it), ends the process now."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    parent = os.environ.get(PARENT_PID)
+    if parent and os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def report(message: str) -> None:

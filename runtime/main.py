@@ -9,11 +9,14 @@ The backend is NCCL with CUDA (one GPU per rank), else gloo on CPU; `--share-gpu
 ranks on each GPU over gloo, their messages staged through host memory (runtime/p2p.py), which
 is how a one-GPU machine runs a real pipeline.
 
-Order matters. First the checks every rank would fail alike (backend, the build read and
+Order matters. A rank started by torchrun first makes sure it dies with torchrun
+(runtime/faults.py). Then the checks every rank would fail alike (backend, the build read and
 verified, world size, the model's factory found and still matching the plan, the checkpoint to
-resume from): rank 0 says what is wrong in one line, every rank exits 2. Then this rank's
-stages are rebuilt (a defect: one line from that rank, exit 2). Only then does the rank join the
-process group, load the checkpoint, and train to step N, rank 0 printing each step's metrics
+resume from and its contents, the --save directory's lineage): rank 0 says what is wrong in one
+line, every rank exits 2. Then this rank's stages are rebuilt (a defect: one line from that
+rank, exit 2). Only then does the rank join the process group; rank 0 takes the build's lock
+and starts a rollback's branch (`claim`: a failure is said by rank 0, every rank exits 2);
+each rank loads the checkpoint and trains to step N, rank 0 printing each step's metrics
 and writing them to OUT/measured/metrics.jsonl (runtime/metrics.py), saving every K steps and
 at the end, evaluating every K' steps (runtime/evaluate.py); last, the measured timeline and
 figures go to OUT/measured/ and are printed beside the simulation's. A stop signal
@@ -37,8 +40,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipec import checkpoint
-from pipec.build_dir import Build, check_build, load
+from pipec import checkpoint, run_lock
+from pipec.build_dir import Build, check_build, load, os_error
+from pipec.checkpoint_lineage import Lineage, check_save, later_than, set_aside
 from pipec.frontend import FrontendError, load_factory
 from pipec.frontend.precision import PRECISIONS
 from pipec.ir import Op, PipecError
@@ -48,7 +52,7 @@ from pipec.run_checks import check_writable
 from pipec.runtime import named_state
 from pipec.runtime.data import open_source
 from pipec.runtime.evaluate import evaluator
-from pipec.runtime.faults import Watchdog, report
+from pipec.runtime.faults import Watchdog, end_with_parent, report
 from pipec.runtime.gather import all_gather_objects
 from pipec.runtime.gradcheck import DropoutOff, GradCapture, compare, reference_grads
 from pipec.runtime.interpreter import HANDLERS, Handler, check_program
@@ -62,6 +66,7 @@ from pipec.runtime.train_options import (
     train_options,
     zero_error,
 )
+from pipec.terminal import printable
 
 #: What a rank's start-up does, by module (pipec.progress: the outermost on the stack names it).
 START_STEPS = (
@@ -75,19 +80,25 @@ START_STEPS = (
 @dataclass(frozen=True)
 class Run:
     """What the checks every rank makes alike found: the build, the model's spec (resolved
-    from any directory), the checkpoint to resume from and its step."""
+    from any directory), the checkpoint to resume from and its step, the run's lineage, the
+    directory it saves into (None: it saves nothing) and the checkpoints there after the one
+    resumed from (a new branch abandons them)."""
 
     build: Build
     spec: str
     resume: Path | None
     start: int
+    lineage: Lineage
+    save: Path | None = None
+    abandoned: tuple[Path, ...] = ()
 
 
 def preflight(
     build_dir: Path, args: argparse.Namespace, world: int, local_world: int, say: bool = True
 ) -> Run:
     """The checks whose verdict is the same on every rank; PipecError names the defect. `say`:
-    this rank prints the notices (a damaged newest checkpoint skipped)."""
+    this rank prints the notices (a damaged newest checkpoint skipped). Changes nothing on
+    disk but the probe of --save: a rollback's branch is `claim`'s, after every rank joined."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.share_gpu:
         if args.backend == "nccl":
@@ -131,12 +142,6 @@ def preflight(
             f"--eval-every {args.eval_every}: the ModelSpec of {spec} has no eval_data; give it "
             "eval_data (batches in the form of data) or drop --eval-every"
         )
-    if args.save and checkpoint.checkpoints(args.save) and not args.resume:
-        raise PipecError(
-            f"--save {args.save} already holds checkpoints (newest "
-            f"{checkpoint.checkpoints(args.save)[-1].name}); continue them with --resume "
-            f"{args.save}, or save elsewhere"
-        )
     resume, start = None, 0
     if args.resume:
         resume, skipped = checkpoint.newest_intact(args.resume)
@@ -150,7 +155,12 @@ def preflight(
                 f"{resume} is at step {start} and --steps is {args.steps}: nothing to train; "
                 "--steps counts from the first step, raise it"
             )
-    return Run(build, spec, resume, start)
+    lineage = Lineage.new(build.plan, build.plan_hash, resume)
+    if not args.save or args.check_grads:  # --check-grads saves nothing
+        return Run(build, spec, resume, start, lineage)
+    check_save(args.save, args.resume, lineage)
+    later = later_than(args.save, resume) if resume else []
+    return Run(build, spec, resume, start, lineage, Path(args.save), tuple(later))
 
 
 def main(
@@ -161,6 +171,8 @@ def main(
     """Run one rank (RANK, WORLD_SIZE, LOCAL_RANK from torchrun's environment)."""
     args = parse_launch(argv)
     env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env:  # started by torchrun: no rank trains on once it is gone
+        end_with_parent()
     grank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
@@ -174,7 +186,7 @@ def main(
             run = preflight(build_dir, args, world, local_world, say=grank == 0)
         except PipecError as e:  # every rank found the same: rank 0 says it, nobody waits
             if grank == 0:
-                print(f"pipec runtime: {e}", file=sys.stderr, flush=True)
+                print(f"pipec runtime: {printable(str(e))}", file=sys.stderr, flush=True)
             sys.exit(2)
         device = rank_device(args.backend, args.share_gpu, local_rank)
         try:
@@ -182,13 +194,16 @@ def main(
             rt = Rank.prepare(run.build, grank, world, device, run.spec, args.seed, dtype)
             check_program(rt.program, handlers, rt.source)
         except PipecError as e:  # nothing was communicated: a plain exit, nobody is waiting
-            print(f"pipec runtime: rank {grank}: {e}", file=sys.stderr, flush=True)
+            print(f"pipec runtime: rank {grank}: {printable(str(e))}", file=sys.stderr, flush=True)
             sys.exit(2)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if grank == 0:
         print(f"config: {changed(launch_parser(), args)}", flush=True)
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
+    claim(run, grank, device)
+    if grank == 0 and run.resume:
+        print(f"resuming from {run.resume} (step {run.start})", flush=True)
     watchdog = Watchdog(args.timeout, rt.describe)
     code = 0
     metrics: Metrics | None = None
@@ -207,7 +222,9 @@ def main(
                 config = effective(launch_parser(), args)
                 metrics = open_metrics(rt, args, device, config)
                 print(training_line(args), flush=True)
-            save = saver(rt, args.save, args.save_every, args.steps, saved) if args.save else None
+            save = None
+            if args.save:
+                save = saver(rt, args.save, args.save_every, args.steps, saved, run.lineage)
             evaluation = evaluator(rt, args.eval_every, args.eval_steps, watchdog, metrics)
             after = [hook for hook in (save, evaluation) if hook]
             traces = train(
@@ -219,9 +236,9 @@ def main(
                 after_step=lambda step: [hook(step) for hook in after],
                 report=metrics and (lambda fig: metrics.log(fig, saved.get(fig.step))),
             )
-            done = rt.step
+            done = max(rt.step, run.start)
             if done < args.steps:  # stopped by a signal: keep what was trained
-                stopped(rt.grank, watchdog.signal_name, done, args.steps, save, saved)
+                stopped(rt.grank, watchdog.signal_name, run.start, done, args.steps, save, saved)
             else:
                 skip = warmup_kept(args.skip, done - run.start, len(traces))
                 write_measurements(rt, traces, skip)
@@ -267,11 +284,54 @@ def restore(rt: Rank, resume: Path | None, seed: int) -> int:
     return start
 
 
+def claim(run: Run, grank: int, device: torch.device) -> None:
+    """Once every rank has joined: rank 0 takes the locks of the build and of --save
+    (pipec/run_lock.py; held until the process ends) and, when the run resumes from a
+    checkpoint of --save older than others there, starts a new branch (the later ones set
+    aside, and said). When either fails, rank 0 says why and every rank exits 2, before
+    anything is trained."""
+    error = ""
+    if grank == 0:
+        try:
+            run_lock.hold(run.build.path, run.save)
+            if run.abandoned:
+                branch(run)
+        except PipecError as e:
+            error = str(e)
+        except OSError as e:
+            error = os_error(e)
+    error = all_gather_objects(error, device)[0]
+    if error:
+        if grank == 0:
+            print(f"pipec runtime: {printable(error)}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        sys.exit(2)
+
+
+def branch(run: Run) -> None:
+    """Set aside the checkpoints of --save after the one `run` resumes from, and say so."""
+    save = run.abandoned[0].parent
+    aside = set_aside(save, list(run.abandoned), run.lineage)
+    names = ", ".join(p.name for p in run.abandoned)
+    print(
+        f"pipec runtime: notice: resuming from step {run.start}, older than {names} in "
+        f"{save}: a new branch; {names} moved to {aside} (kept, never resumed from again)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def saver(
-    rt: Rank, directory: Path, every: int, last: int, saved: dict[int, Path]
+    rt: Rank,
+    directory: Path,
+    every: int,
+    last: int,
+    saved: dict[int, Path],
+    lineage: Lineage | None = None,
 ) -> Callable[[int], None]:
     """After step k: a checkpoint in `directory` when k is a multiple of `every` (0: never), is
     the `last` step, or is `force`d (a stop); its path goes into `saved`, for the log line.
+    `lineage`: the run's, which its checkpoints record (pipec/checkpoint_lineage.py).
 
     One copy of each stage is written: the first pipeline's stages (bidirectional schedules
     hold a replica of each in the second) of the first data-parallel copy."""
@@ -281,7 +341,7 @@ def saver(
     def save(step: int, force: bool = False) -> None:
         if force or step == last or (every and step % every == 0):
             state = named_state.state_dict(rt.optimizer, mine)  # every ZeRO copy gathers
-            saved[step] = checkpoint.save(directory, step, state)
+            saved[step] = checkpoint.save(directory, step, state, lineage)
 
     return save
 
@@ -289,14 +349,16 @@ def saver(
 def stopped(
     grank: int,
     signal_name: str,
+    start: int,
     done: int,
     steps: int,
     save: Callable[..., None] | None,
     saved: dict[int, Path],
 ) -> None:
     """After a stop signal: a last checkpoint of the `done` steps (unless step `done` was just
-    saved), and rank 0's line saying where the run stopped."""
-    if save is not None and done not in saved and done > 0:
+    saved, or the run trained nothing since step `start`), and rank 0's line saying where the
+    run stopped."""
+    if save is not None and done not in saved and done > start:
         save(done, force=True)
     if grank == 0:
         kept = f"; checkpoint {saved[done]}" if done in saved else ""

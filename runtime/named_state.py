@@ -5,6 +5,11 @@ floating buffers in fp32), `optim.NAME.STATE` (the optimizer state of the whole 
 `step`. Under ZeRO-1 each state tensor is all-gathered over the data-parallel group at save
 (every copy joins; the first writes) and sliced at load, so a checkpoint moves freely between
 precisions, ZeRO and any D, partition or schedule of the same model.
+
+Each tensor is written once. A parameter tied across stages (the plan's `tied_parameters`: an
+LM head tied to the embedding) is written under the name of its first stage's holder, the
+other names being aliases of it, whichever ranks hold them; a key several ranks hold (a buffer
+every stage reads) is written by the first of them.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipec import checkpoint
+from pipec.checkpoint import Alias
+from pipec.runtime.gather import all_gather_objects
 from pipec.runtime.optim import Trainer, _Slice
 
 
@@ -48,23 +55,47 @@ def state_dict(tr: Trainer, modules: list[nn.Module]) -> dict[str, object]:
     for key in _moments(tr):
         flats[key] = _flat(tr, [tr.inner.state[s.master][key] for s in tr.slices])
     first = tr.inner.state.get(tr.slices[0].master, {}) if tr.slices else {}
+    tied = _tied_names(rt.build.plan)
     out: dict[str, object] = {}
     for h in tr.held:
         if id(h.param) not in mine:
             continue
-        for key, flat in flats.items():
-            value = flat[h.offset : h.offset + h.param.numel()].view(h.param.shape).clone()
-            for name in h.names:
-                out[f"model.{name}" if key == "model" else f"optim.{name}.{key}"] = value
+        at = slice(h.offset, h.offset + h.param.numel())
+        values = {key: flat[at].view(h.param.shape).clone() for key, flat in flats.items()}
         if "step" in first:
-            for name in h.names:
-                out[f"optim.{name}.step"] = first["step"].clone()
+            values["step"] = first["step"].clone()
+        own = tied.get(h.names[0], h.names[0])
+        for name in h.names:
+            for key, value in values.items():
+                out[_key(name, key)] = value if name == own else Alias(_key(own, key))
     params = {n for m in modules for n, _ in m.named_parameters(remove_duplicate=False)}
     for m in modules:
         for name, t in m.state_dict().items():
             if name not in params:
                 out[f"model.{name}"] = rt.fp32_buffers.get(name, t)
+    return _first_holders(out, rt.device)
+
+
+def _key(name: str, state: str) -> str:
+    """The key of parameter `name`'s `state`: "model", its value; else its optimizer's."""
+    return f"model.{name}" if state == "model" else f"optim.{name}.{state}"
+
+
+def _tied_names(plan: dict) -> dict[str, str]:
+    """Each name of a parameter tied across stages -> the name it is written under: its
+    holder's in the first stage that holds it."""
+    out: dict[str, str] = {}
+    for group in plan["model"]["tied_parameters"]:
+        first = min(group, key=lambda h: h["stage"])["name"]
+        out |= {h["name"]: first for h in group}
     return out
+
+
+def _first_holders(state: dict[str, object], device: torch.device) -> dict[str, object]:
+    """`state` without the keys a lower rank also holds (every rank joins the gather)."""
+    everyone = all_gather_objects(sorted(state), device)
+    earlier = set().union(*everyone[: dist.get_rank()])
+    return {key: value for key, value in state.items() if key not in earlier}
 
 
 def _slice(value: Tensor, s: _Slice) -> Tensor:
@@ -78,7 +109,7 @@ def load(tr: Trainer, path: Path) -> int:
     state (this rank's slices of each); returns its step. Reads only."""
     rt = tr.rt
     saved = checkpoint.manifest(path)
-    every = saved["tensors"].keys() | saved["scalars"].keys()
+    every = checkpoint.keys_of(saved)
     keys = ["step"]
     optim: dict[int, list[str]] = {}
     for h in tr.held:

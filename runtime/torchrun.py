@@ -1,11 +1,14 @@
-"""How pipec starts torchrun: this interpreter's torch.distributed.run, on a free port; and
-`pipec run BUILD`, which checks the run, runs the build under torchrun, passes a stop signal
+"""How pipec starts torchrun: this interpreter's torchrun (runtime/agent.py), on a free port;
+and `pipec run BUILD`, which checks the run, runs the build under torchrun, passes a stop signal
 on to every rank and says last what went wrong.
 
-The rendezvous is torchrun's c10d store on 127.0.0.1, port 0 (a free one, so runs and tests of
-several engineers on one machine never collide): a run on this machine listens on no other
-interface (`--standalone` would listen on all of them). The ranks import pipec as this process
-does: installed, or from a checkout the environment's PYTHONPATH names.
+A run listens on loopback only: the rendezvous is torchrun's c10d store on 127.0.0.1, port 0 (a
+free one, so runs and tests of several engineers on one machine never collide), the ranks'
+store on 127.0.0.1 (`--local-addr`), each bound there by runtime/agent.py (torchrun alone, and
+`--standalone`, listen on every interface), and the ranks' gloo (or NCCL) sockets on the
+loopback interface. torchrun ends with the process that started it, its ranks with torchrun.
+The ranks import pipec as this process does: installed, or from a checkout the environment's
+PYTHONPATH names.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,20 +27,31 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipec import NO_NUMPY_WARNING
-from pipec.runtime.faults import GRACE_S
+from pipec.runtime.faults import GRACE_S, PARENT_PID
+
+#: The loopback interface (Linux's name), for the ranks' own sockets: gloo and NCCL otherwise
+#: listen on the address the host name resolves to, often an external one.
+LOOPBACK = "lo"
+SOCKET_INTERFACES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def torchrun(script: Path, nproc: int, *args: str) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment that run `script` on `nproc` local ranks."""
+    """The command line and environment that run `script` on `nproc` local ranks, every socket
+    on loopback, torchrun ending with this process."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+        sys.executable, "-m", "pipec.runtime.agent", "--nnodes", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", uuid.uuid4().hex,
-        "--nproc-per-node", str(nproc), str(script), *args,
+        "--local-addr", "127.0.0.1", "--nproc-per-node", str(nproc), str(script), *args,
     ]  # fmt: skip
     # torchrun imports torch before pipec: its numpy warning is silenced here as pipec/__init__.py
     # silences it in pipec's own processes.
     warnings = ",".join(filter(None, [NO_NUMPY_WARNING, os.environ.get("PYTHONWARNINGS")]))
-    return cmd, os.environ | {"PYTHONWARNINGS": warnings}
+    env = os.environ | {"PYTHONWARNINGS": warnings, PARENT_PID: str(os.getpid())}
+    if any(name == LOOPBACK for _, name in socket.if_nameindex()):
+        env = {name: LOOPBACK for name in SOCKET_INTERFACES} | env  # unless the user chose
+    if nproc > 1:  # what torchrun sets then, here without its banner (the ranks set theirs)
+        env = {"OMP_NUM_THREADS": "1"} | env
+    return cmd, env
 
 
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
@@ -49,7 +64,9 @@ def run_build(build: Path, nproc: int | None, args: Sequence[str]) -> int:
     First `check_run` (one line, before any rank starts). torchrun runs in a session of its
     own, so only pipec decides what reaches it: SIGTERM, SIGINT or SIGHUP to pipec is passed on
     as SIGTERM (torchrun passes it to every rank, which finishes its step, saves when --save
-    is set and exits; see runtime/faults.py), a second one kills torchrun and its ranks.
+    is set and exits; see runtime/faults.py), a second one kills torchrun and its ranks. pipec
+    killed outright (SIGKILL: the OOM killer, a CI cancel) takes torchrun and its ranks with it
+    (runtime/agent.py): no rank trains on.
 
     On failure torchrun ends with its own report (a ChildFailedError traceback and a table of
     failed ranks) below the line a rank printed to say what went wrong. Once a rank has said
@@ -77,8 +94,9 @@ def run_build(build: Path, nproc: int | None, args: Sequence[str]) -> int:
     condense = _Condense()
     with stop:
         for line in proc.stderr:
-            if _MESSAGE in line:
-                messages.append(line[line.index(_MESSAGE) + len(_MESSAGE) :].strip())
+            said = line[line.index(_MESSAGE) + len(_MESSAGE) :].strip() if _MESSAGE in line else ""
+            if said and not said.startswith("notice:"):  # a notice is not why a run failed
+                messages.append(said)
             elif m := _EXITCODE.search(line):
                 codes.append(int(m[1]))
             sys.stderr.write(condense(line, bool(messages) or bool(stop.signum)))

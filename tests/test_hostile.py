@@ -4,12 +4,17 @@ leaves nothing behind and keeps its last checkpoint, and every bad command line 
 with exit 2 before any work (and before any rank starts). A NaN loss stopping the run in one
 line, exit 3, is tests/test_train_step.py's non-finite guard test.
 
-Two torchrun launches in all: a 2-rank `pipec run` stopped by SIGTERM, and its checkpoint
-resumed into a build of another p (one rank).
+Three torchrun launches in all: a 2-rank `pipec run` stopped by SIGTERM, and its checkpoint
+resumed into a build of another p (one rank); a 2-rank `pipec run` rolling back to an older
+checkpoint (a new branch), listening on loopback alone, refusing a second run of its build, then
+killed by SIGKILL to its process group: nothing of it runs on. tests/test_hostile_checkpoints.py
+holds the crafted checkpoints and mixed directories.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import os
 import pickle
@@ -26,8 +31,9 @@ import pytest
 import torch
 
 from pipec import checkpoint
-from pipec.build_dir import emit, os_error
+from pipec.build_dir import emit, load, os_error
 from pipec.checkpoint_files import sha256
+from pipec.checkpoint_lineage import Lineage
 from pipec.cli import main
 from pipec.compile import plan_hash
 from pipec.frontend import load_factory
@@ -81,10 +87,10 @@ class _Smuggle:
         return (exec, (self.code,))
 
 
-def saved(directory: Path, step: int = 1) -> Path:
-    """A real checkpoint of the build's model at `step`."""
+def saved(directory: Path, step: int = 1, lineage: Lineage | None = None) -> Path:
+    """A real checkpoint of the build's model at `step` (of the run `lineage`)."""
     model = load_factory(DATA).model
-    return checkpoint.save(directory, step, checkpoint.state_dict([model], None))
+    return checkpoint.save(directory, step, checkpoint.state_dict([model], None), lineage)
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
@@ -220,6 +226,80 @@ def test_sigterm_stops_every_rank_and_keeps_the_last_checkpoint(build, tmp_path)
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert re.findall(r"step +(\d+)/", run.stdout) == [str(steps)]
+
+
+@pytest.mark.slow
+def test_sigkill_to_pipec_run_ends_the_run(build, tmp_path):
+    """Z holds steps 5 and 10; `pipec run --resume Z/step_000005 --save Z --save-every 1`
+    starts a branch. While it trains, every socket its processes listen on is on loopback and
+    a second run of the build is refused in one line. SIGKILL to its process group (a CI
+    cancel) leaves no process of it alive; step 10 is kept aside, Z's newest is the branch's,
+    and measured/metrics.jsonl holds whole lines."""
+    z = tmp_path / "Z"
+    lineage = Lineage.new(load(build).plan, load(build).plan_hash, None)
+    saved(z, 5, lineage)
+    saved(z, 10, lineage)
+    cmd = [sys.executable, "-m", "pipec", "run", str(build), "--threads", "1", "--steps", "1000"]
+    resume = ["--resume", str(z / "step_000005"), "--save", str(z), "--save-every", "1"]
+    env = torchrun(build / "launch.py", 1)[1]
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(
+            [*cmd, *resume], env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+    for line in proc.stdout:
+        if re.match(r"step +7/", line):
+            break
+    tree = set(_descendants(proc.pid)) | {proc.pid}
+    listening = _listening(tree)
+    assert listening and all(_loopback(address) for address in listening), listening
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+    assert f"{build} is being run already (pid " in second.stderr
+    os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _alive(tree):
+        time.sleep(0.1)
+    assert not _alive(tree), "processes left behind 20 s after SIGKILL"
+    proc.wait()
+    assert "a new branch; step_000010 moved to" in (tmp_path / "stderr").read_text()
+    assert checkpoint.saved_step(next(z.glob("abandoned-*/step_000010"))) == 10  # kept
+    newest, _ = checkpoint.newest_intact(z)
+    assert checkpoint.saved_step(newest) >= 6
+    assert checkpoint.manifest(newest)["run"]["resumed_from"] == str(z / "step_000005")
+    lines = (build / "measured" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines][:2] == [6, 7]
+
+
+def _listening(pids: set[int]) -> list[str]:
+    """The addresses (hex, as /proc/net/tcp* writes them) of the TCP sockets `pids` listen on."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.append(fields[1].rsplit(":", 1)[0])
+    return found
+
+
+def _loopback(address: str) -> bool:
+    """Whether a /proc/net/tcp* address (hex, 32-bit words in host order) is 127/8 or ::1,
+    or ::ffff:127/8."""
+    words = [
+        int(address[i : i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(address), 8)
+    ]
+    ip = ipaddress.ip_address(b"".join(words))
+    return ip.is_loopback or (
+        ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback
+    )
 
 
 def _alive(pids: set[int]) -> bool:
@@ -362,6 +442,17 @@ def test_cli_refusals(build, tmp_path, capsys, argv, message):
     message = message.replace("FILE", names["FILE"])
     assert message in refused(capsys, *argv)
     assert (tmp_path / "FILE").read_text() == "kept" and not (tmp_path / "out").exists()
+
+
+def test_control_characters_in_paths_are_shown_escaped(build, tmp_path, capsys):
+    """An --out holding ESC sequences and a carriage return cannot rewrite the terminal."""
+    out = tmp_path / "x\x1b[2J\ry"
+    out.write_text("kept")
+    said = refused(capsys, "export", str(build), "-o", str(out))
+    assert "x\\x1b[2J\\ry exists" in said and "\x1b" not in said and "\r" not in said
+    main(["compile", "-s", "1f1b", "-p", "2", "-m", "2", "--out", str(tmp_path / "b\x1b[31m")])
+    wrote = capsys.readouterr().out
+    assert f"wrote {tmp_path}/b\\x1b[31m/:" in wrote and "\x1b" not in wrote
 
 
 def test_os_errors_name_the_out_not_a_temporary(tmp_path):

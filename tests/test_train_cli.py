@@ -297,7 +297,7 @@ def test_checkpoint_refusals(build, tmp_path, monkeypatch, capsys):
     other = load_factory(GPT).model  # another model's checkpoint
     checkpoint.save(tmp_path / "gpt", 1, checkpoint.state_dict([other], None))
     err = refusal("--resume", str(tmp_path / "gpt"))
-    assert "is (128, 64) in this checkpoint, (32, 32) in the model" in err
+    assert "is float32 (128, 64) in this checkpoint, float32 (32, 32) in the model" in err
     err = refusal("--save", str(tmp_path / "gpt"))
     assert "already holds checkpoints (newest step_000001); continue them with --resume" in err
 

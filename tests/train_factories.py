@@ -1,7 +1,8 @@
 """Factories for the training tests: a tiny GPT (tied embedding and head) whose data's targets
 are its inputs (each position names its own token: learnable in a few dozen steps, and only when
 every target meets the inputs of its own micro-batch), and the same model without data
-(synthetic batches: random targets, which it can only memorise)."""
+(synthetic batches: random targets, which it can only memorise); a Llama of `transformers`
+with its LM head tied to the embedding."""
 
 from __future__ import annotations
 
@@ -72,3 +73,13 @@ def nan_at_step_5() -> ModelSpec:
     """The copying GPT whose loss is NaN at step 5 (the non-finite guard's test)."""
     x, y = _batch(CONFIG.micro_batch, 10**6)
     return ModelSpec(GPT(CONFIG), (x,), y, _nan_at_5, data=nan_data)
+
+
+def tied_llama() -> ModelSpec:
+    """examples/hf_llama.py's tiny Llama with `tie_word_embeddings=True`: the first and last
+    stages hold one parameter under two names."""
+    from transformers import LlamaConfig
+
+    from examples.hf_llama import TINY, make_spec
+
+    return make_spec(LlamaConfig(**(TINY.to_dict() | {"tie_word_embeddings": True})))

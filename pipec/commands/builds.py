@@ -16,6 +16,7 @@ from pipec.interop import export_torch_csv
 from pipec.ir import PipecError
 from pipec.passes.simulate import SimResult
 from pipec.provenance import check_factory, resolve
+from pipec.terminal import printable
 
 
 @click.command()
@@ -215,4 +216,7 @@ def export(
         return
     Path(out).write_text(text, newline="")
     kind = "compute_comms" if comms else "compute_only"
-    click.echo(f"wrote {out}: {fmt}, for _PipelineScheduleRuntime._load_csv(path, format='{kind}')")
+    click.echo(
+        f"wrote {printable(str(out))}: {fmt}, for _PipelineScheduleRuntime._load_csv(path, "
+        f"format='{kind}')"
+    )

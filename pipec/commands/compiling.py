@@ -27,6 +27,7 @@ from pipec.passes.residency import NEEDS_MODEL
 from pipec.passes.topology import make_topology
 from pipec.progress import progress
 from pipec.run_checks import check_trains_at
+from pipec.terminal import printable
 
 DEVICE_HELP = (
     "Profile on this device: cpu, cuda or cuda:N, the one the build will run on (default: "
@@ -391,7 +392,8 @@ def compile_cmd(out: Path, force: bool, **opts) -> CompileResult:
     sim = result.sim
     unit, note = time_unit(result.plan)
     click.echo(
-        f"wrote {out}/: {result.compiled.world} rank programs, plan {result.plan_hash}; "
+        f"wrote {printable(str(out))}/: {result.compiled.world} rank programs, plan "
+        f"{result.plan_hash}; "
         f"makespan {sim.makespan:.6g}{' ' + unit if unit else ''}, bubble {sim.bubble:.4f}, "
         f"span_bubble {sim.span_bubble:.4f}"
     )

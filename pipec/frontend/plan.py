@@ -24,7 +24,7 @@ from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, meas
 from pipec.frontend.partition import check_fits, resolve, split_point_counts
 from pipec.frontend.precision import BOUNDARY_DTYPES, PRECISIONS, at_dtype, run_at, take_values
 from pipec.frontend.spec import DEFAULT_SEED, FrontendError, ModelSpec, load_factory
-from pipec.frontend.stages import split
+from pipec.frontend.stages import keep_persistence, split
 from pipec.frontend.trace import CaptureError, export, trace
 from pipec.runtime.direct import direct_calls
 
@@ -45,6 +45,18 @@ class _Traced:
     stacks: Stacks
     block_of: dict[fx.Node, int]
     finer: _Traced | None = None  # the same graph cut one level down (`blocks.refine`)
+
+    def stages(self, counts: list[int]) -> list[fx.GraphModule]:
+        """The stages of `counts` blocks each (`stages.split`), `persistent`."""
+        return self.persistent(split(self.gm, self.block_of, counts))
+
+    def persistent(self, stages: list[fx.GraphModule]) -> list[fx.GraphModule]:
+        """`stages`, each saving in its state_dict only what the model's own holds of it (a
+        graph module registers every buffer it copies as persistent)."""
+        persistent = self.spec.model.state_dict().keys()
+        for stage in stages:
+            keep_persistence(stage, persistent)
+        return stages
 
 
 def build_model_plan(
@@ -86,7 +98,7 @@ def build_model_plan(
     traced = _trace(spec, seed, None, device, micro_batch_size, (n_stages, v))
     ms = traced.spec
     traced, mode, counts = _partition(traced, n_stages, partition, split_points, v)
-    stages = split(traced.gm, traced.block_of, counts)
+    stages = traced.stages(counts)
     inputs, output = run_boundaries(stages, ms)
     loss = _last_loss(ms)
     starts = [sum(counts[:k]) for k in range(n_stages)]
@@ -161,7 +173,7 @@ def split_model(
     """The model's stages in order; chaining them computes exactly the unsplit forward."""
     traced = _trace(spec, seed, fits=(n_stages, 1))
     traced, _, counts = _partition(traced, n_stages, partition, split_points)
-    return split(traced.gm, traced.block_of, counts)
+    return traced.stages(counts)
 
 
 def build_stages(
@@ -207,7 +219,7 @@ def build_stages(
                 f"stage {k} of {spec} has {params} parameters, the plan {plan.stages[k].params};"
                 " the model changed since compiling: recompile"
             )
-    runnable = [direct_calls(modules[k]) for k in stages]
+    runnable = traced.persistent([direct_calls(modules[k]) for k in stages])
     if dtype is not None:
         try:
             crossing = run_at(modules, traced.spec, dtype, backward=check_backward)
@@ -340,7 +352,7 @@ def _block_flops(traced: _Traced) -> list[Flops]:
     """FLOPs per block: each block cut as a stage of its own and counted; what comes before
     the first block and after the last (embedding, head, loss) counts with them."""
     n = traced.stacks.n_blocks
-    blocks = split(traced.gm, traced.block_of, [1] * n)
+    blocks = traced.stages([1] * n)
     inputs, _ = run_boundaries(blocks, traced.spec)
     loss = _last_loss(traced.spec)
     return count_flops(blocks, inputs, list(range(n)), traced.stacks, loss)

@@ -15,16 +15,17 @@ Then, for every stage:
   the exported output's pytree (a `ModelOutput`, a dict, a tuple).
 
 Stage modules keep the model's qualified names (`blocks.3.attn.qkv.weight`) and share the
-model's parameters.
+model's parameters; `keep_persistence` makes a stage's state_dict hold what the model's holds.
 """
 
 from __future__ import annotations
 
 import copy
 import operator
+from collections.abc import Collection
 
 import torch
-from torch import Tensor, fx
+from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
 from pipec.frontend.spec import FrontendError
@@ -174,3 +175,14 @@ def _stage(
 def _attr(gm: fx.GraphModule, target: str) -> object:
     owner, _, name = target.rpartition(".")
     return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def keep_persistence(stage: nn.Module, persistent: Collection[str]) -> None:
+    """Make the buffers of `stage` that the model's state_dict (`persistent`, its names) leaves
+    out non-persistent again. fx.GraphModule registers every buffer it copies as persistent, so
+    a stage would save what the model does not (the rotary tables of Hugging Face decoders,
+    held by every stage that computes them), and a checkpoint would hold it once per stage."""
+    for name, _ in stage.named_buffers(remove_duplicate=False):
+        if name not in persistent:
+            owner, _, leaf = name.rpartition(".")
+            stage.get_submodule(owner)._non_persistent_buffers_set.add(leaf)
