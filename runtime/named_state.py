@@ -40,10 +40,14 @@ def _flat(tr: Trainer, per_slice: list[Tensor]) -> Tensor:
     return full
 
 
+def _stepped(tr: Trainer) -> dict[str, object]:
+    """The optimizer state of a parameter it has stepped (a frozen one has none)."""
+    return next((tr.inner.state[s.master] for s in tr.slices if s.master in tr.inner.state), {})
+
+
 def _moments(tr: Trainer) -> list[str]:
     """The optimizer's per-element state keys (AdamW: exp_avg, exp_avg_sq)."""
-    state = tr.inner.state.get(tr.slices[0].master, {}) if tr.slices else {}
-    return [k for k, v in state.items() if k != "step" and torch.is_tensor(v)]
+    return [k for k, v in _stepped(tr).items() if k != "step" and torch.is_tensor(v)]
 
 
 def state_dict(tr: Trainer, modules: list[nn.Module]) -> dict[str, object]:
@@ -53,8 +57,11 @@ def state_dict(tr: Trainer, modules: list[nn.Module]) -> dict[str, object]:
     mine = {id(p) for m in modules for p in m.parameters()}
     flats = {"model": _flat(tr, [s.master for s in tr.slices])}
     for key in _moments(tr):
-        flats[key] = _flat(tr, [tr.inner.state[s.master][key] for s in tr.slices])
-    first = tr.inner.state.get(tr.slices[0].master, {}) if tr.slices else {}
+        states = [tr.inner.state.get(s.master, {}) for s in tr.slices]
+        flats[key] = _flat(
+            tr, [st.get(key, torch.zeros_like(s.master)) for s, st in zip(tr.slices, states)]
+        )
+    first = _stepped(tr)
     tied = _tied_names(rt.build.plan)
     out: dict[str, object] = {}
     for h in tr.held:
@@ -62,7 +69,9 @@ def state_dict(tr: Trainer, modules: list[nn.Module]) -> dict[str, object]:
             continue
         at = slice(h.offset, h.offset + h.param.numel())
         values = {key: flat[at].view(h.param.shape).clone() for key, flat in flats.items()}
-        if "step" in first:
+        if not h.param.requires_grad:  # frozen: its value, no optimizer state
+            values = {"model": values["model"]}
+        elif "step" in first:
             values["step"] = first["step"].clone()
         own = tied.get(h.names[0], h.names[0])
         for name in h.names:

@@ -38,7 +38,8 @@ def _rebound(first: frontend._Traced, ms: ModelSpec, dtype: torch.dtype | None) 
             except AttributeError:
                 attrs[target] = _attr(first.gm, target)
     gm = fx.GraphModule(attrs, first.gm.graph, type(first.gm).__name__)
-    return replace(first, spec=ms, gm=gm)
+    finer = first.finer and replace(first.finer, spec=ms, gm=gm)  # the same graph cut deeper
+    return replace(first, spec=ms, gm=gm, finer=finer)
 
 
 def reusing(capture: Callable[..., frontend._Traced]) -> Callable[..., frontend._Traced]:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pipec.build_dir import load
+from pipec.checkpoint_lineage import Lineage
 from pipec.runtime.faults import Watchdog
 from pipec.runtime.gradcheck import GradCapture
 from pipec.runtime.interpreter import HANDLERS
@@ -35,8 +36,9 @@ def run_case(case: dict, watchdog: Watchdog) -> dict:
     restore(rt, None, 0)
     printed = io.StringIO()
     with redirect_stdout(printed):
-        failed = check_grads(rt, Run(build, build.plan["model"]["spec"], None, 0), HANDLERS,
-                             watchdog, 0)  # fmt: skip
+        lineage = Lineage.new(build.plan, build.plan_hash, None)
+        run = Run(build, build.plan["model"]["spec"], None, 0, lineage)
+        failed = check_grads(rt, run, HANDLERS, watchdog, 0)
     return {"ok": not failed, "stdout": printed.getvalue()}
 
 

@@ -9,6 +9,7 @@ communication.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,9 +62,21 @@ def run_cases(
     proc = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, _errors(proc.stderr)
     results = [json.loads((tmp / "results" / f"{r}.json").read_text()) for r in range(world)]
     return Launched(results, proc.stdout, {c["name"]: Path(c["build"]) for c in listing})
+
+
+def _errors(stderr: str) -> str:
+    """The first failing rank's traceback, then the end of stderr: it is often far above the
+    last rank's."""
+    lines = stderr.splitlines()
+    raised = [line for line in lines if re.match(r"\[rank\d+\]: \w+(Error|Exception)", line)]
+    if not raised:
+        return stderr[-3000:]
+    rank = raised[0].split("]")[0] + "]"
+    first = [line for line in lines if line.startswith(rank)]
+    return "\n".join(first[-30:] + ["..."]) + stderr[-1500:]
 
 
 def refused(

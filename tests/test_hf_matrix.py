@@ -90,7 +90,9 @@ def test_export_model_holds_the_model_state(runs, family, precision, tmp_path):
     state = model.state_dict()
     assert exported.keys() == state.keys()
     for key, value in state.items():
-        assert exported[key].dtype == torch.float32  # the fp32 masters, whatever the run's precision
+        assert (
+            exported[key].dtype == torch.float32
+        )  # the fp32 masters, whatever the run's precision
         torch.testing.assert_close(exported[key], value, rtol=0, atol=0)
     if hasattr(model, "config"):  # a Hugging Face class: from_pretrained reads the export
         model.config.save_pretrained(tmp_path)
