@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Self
 
 EXIT_FAULT = 3
 #: The pid of the process that started this one, set by the process that starts it
@@ -111,6 +112,14 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stopped however the block ends: a watchdog left running in a process that goes on
+        (a test's) would end it once its instruction's timeout passes."""
+        self.stop()
 
     def _watch(self) -> None:
         poll = min(1.0, self.timeout / 10)

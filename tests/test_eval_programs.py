@@ -81,10 +81,9 @@ def test_evaluation_in_one_process_restores_what_it_touched(tmp_path):
     try:
         rt = Rank.prepare(load(tmp_path / "b"), 0, 1, torch.device("cpu"))
         rt.connect(lambda ps: torch.optim.AdamW(ps), 30)
-        watchdog = Watchdog(30, rt.describe)
         program, data, rng = rt.program, rt.data, torch.get_rng_state()
-        loss = evaluate(rt, 3, watchdog)
-        watchdog.stop()
+        with Watchdog(30, rt.describe) as watchdog:
+            loss = evaluate(rt, 3, watchdog)
     finally:
         dist.destroy_process_group()
     assert rt.program is program and rt.data is data and not rt.losses

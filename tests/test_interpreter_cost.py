@@ -192,17 +192,16 @@ def host_reads_per_step(tmp_path, m: int) -> int:
     try:
         rt = Rank.prepare(load(out), 0, 1, torch.device("cpu"))
         rt.connect(lambda ps: torch.optim.SGD(ps, lr=0.1), 30)
-        watchdog = Watchdog(30, rt.describe)
-        for step in (1, 2):
-            rt.new_step(step)
-            sys.setprofile(profile if step == 2 else None)
-            try:
-                run_program(rt, HANDLERS, watchdog)
-            finally:
-                sys.setprofile(None)
-            assert len(rt.losses) == m
-            rt.losses.clear()
-        watchdog.stop()
+        with Watchdog(30, rt.describe) as watchdog:
+            for step in (1, 2):
+                rt.new_step(step)
+                sys.setprofile(profile if step == 2 else None)
+                try:
+                    run_program(rt, HANDLERS, watchdog)
+                finally:
+                    sys.setprofile(None)
+                assert len(rt.losses) == m
+                rt.losses.clear()
     finally:
         dist.destroy_process_group()
     return reads

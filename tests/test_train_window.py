@@ -26,9 +26,8 @@ def test_train_keeps_only_the_last_steps_traces(tmp_path):
     try:
         rt = Rank.prepare(load(out), 0, 1, torch.device("cpu"))
         rt.connect(lambda ps: torch.optim.SGD(ps, lr=0.1), 30)
-        watchdog = Watchdog(30, rt.describe)
-        traces = train(rt, 5, HANDLERS, watchdog, lambda step, loss, t: seen.append(step), keep=2)
-        watchdog.stop()
+        with Watchdog(30, rt.describe) as watchdog:
+            traces = train(rt, 5, HANDLERS, watchdog, lambda s, loss, t: seen.append(s), keep=2)
     finally:
         dist.destroy_process_group()
     assert rt.step == 5 and seen == [0, 1, 2, 3, 4]  # every step ran and was reported
