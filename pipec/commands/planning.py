@@ -107,14 +107,14 @@ def _csv(text: str, what: str, kind: type = str) -> list:
     "--calibration-run/--no-calibration-run",
     default=True,
     show_default=True,
-    help="Time the ops in a short torchrun of 1F1B (and ZB-H1) on the target ranks (CPU).",
+    help="Time the ops in short runs of 1F1B, ZB-H1 and the leading rows on the target ranks.",
 )
 @click.option(
     "--calibrate",
     "runs_done",
     multiple=True,
     type=click.Path(path_type=Path),
-    help="Fold in the run of a plan's BUILD (its measured/), instead of a calibration run.",
+    help="Fold in the finished run of a plan's BUILD (its measured/); no calibration run.",
 )
 @click.option("--top", type=int, default=10, show_default=True, help="Rows printed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")

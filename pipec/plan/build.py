@@ -159,8 +159,10 @@ def planned_line(plan: dict, stats: dict) -> str | None:
         return None
     predicted = planned["iteration_s"] * MS_PER_S
     measured = stats["measured"]["iteration_ms"]
+    error = planned.get("expected_error")
+    expected = "uncalibrated" if error is None else f"the plan expected within {error:.1%}"
     return (
         f"plan ({planned['schedule']} {planned['strategy']}, mbs {planned['mbs']}): iteration "
         f"{predicted:.2f} ms predicted vs {measured:.2f} ms measured "
-        f"(x{measured / predicted:.2f})"
+        f"(x{measured / predicted:.2f}; {expected})"
     )

@@ -18,6 +18,7 @@ from pipec.codegen.render import format_bytes
 from pipec.passes.memory_bytes import TERMS
 from pipec.passes.topology import Link
 from pipec.plan.candidates import Evaluated, PlanRequest
+from pipec.plan.conditions import Conditions
 from pipec.plan.driver import Plan
 
 
@@ -169,7 +170,7 @@ def calibration_lines(plan: Plan) -> list[str]:
             "usually slower, by an amount that differs between schedules; no ties marked "
             "(docs/plan.md)"
         )
-        return [said]
+        return [said, *busy(under)]
     sizes = sorted({n for n, _, _ in cal.factors})
     by_size = "  ".join(
         f"{n}: " + " ".join(f"{k} {f:.2f}" for m, k, f in cal.factors if m == n) for n in sizes
@@ -187,7 +188,19 @@ def calibration_lines(plan: Plan) -> list[str]:
         "(=k)"
     )
     under = [] if cal.conditions is None else [f"measured with {cal.conditions.text()}"]
-    return [came, error, *under]
+    return [came, error, *under, *busy(cal.conditions)]
+
+
+def busy(conditions: Conditions | None) -> list[str]:
+    """A warning when other work loaded the machine while the plan measured it."""
+    if conditions is None or conditions.load <= conditions.cores:
+        return []
+    said = (
+        f"warning: the machine's load ({conditions.load:.1f}) exceeded its {conditions.cores} "
+        "cores while the plan measured: its times describe that load; plan again on a quiet "
+        "machine"
+    )
+    return [said]
 
 
 def _tie_line(plan: Plan, table: list[Row]) -> list[str]:
