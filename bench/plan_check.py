@@ -82,8 +82,11 @@ def chosen_rows(plan: dict) -> list[tuple[str, dict]]:
     for role, row in (("baseline", plan["baseline"]), ("1f1b at the pick's mbs", same)):
         if row is not None:
             rows.append((role, row))
+    listed = {r["command"]: (k, r["place"]) for k, r in enumerate(plan["candidates"], 1)}
     out: dict[str, tuple[str, dict]] = {}
     for role, row in rows:
+        number, place = listed.get(row["command"], (None, "-"))
+        row = row | {"row": number, "place": place}
         if row["command"] in out:
             out[row["command"]] = (out[row["command"]][0] + ", " + role, row)
         else:
@@ -169,22 +172,23 @@ def report(chosen: list[tuple[str, dict]], measured: list[tuple[list[float], lis
         mem = [r["total"] / real - 1 for r, real in zip(row["memory"], peaks)]
         ok &= abs(error) <= TIME_TOLERANCE and all(abs(e) <= MEMORY_TOLERANCE for e in mem)
         print(
-            f"  {name(row):<30} {row.get('place', '-')!s:>5} {row['iteration_s'] * 1e3:>8.2f}ms "
+            f"  {name(row):<30} {row['place']!s:>5} {row['iteration_s'] * 1e3:>8.2f}ms "
             f"{med * 1e3:>8.2f}ms {(max(times) - min(times)) / med:>7.0%} {error:>+7.1%}  "
             + " ".join(f"{e:+.1%}" for e in mem)
         )
-    ranked = [k for k, (role, _) in enumerate(chosen) if role.startswith("row")]
+    # The plan's order: its rows as listed (ties in any order); rows it did not rank, out.
+    listed = [k for k, (_, row) in enumerate(chosen) if row["row"] is not None]
+    ranked = sorted(listed, key=lambda k: chosen[k][1]["row"])
+    number = {k: chosen[k][1]["row"] for k in ranked}
     swapped = [
-        (i, j)
-        for i in ranked
-        for j in ranked
-        if i < j
-        and medians[i] > medians[j]
-        and chosen[i][1].get("place") != chosen[j][1].get("place")
+        (number[i], number[j])
+        for n, i in enumerate(ranked)
+        for j in ranked[n + 1 :]
+        if medians[i] > medians[j] and chosen[i][1]["place"] != chosen[j][1]["place"]
     ]
-    order = sorted(ranked, key=lambda k: medians[k])
+    order = [number[k] for k in sorted(ranked, key=lambda k: medians[k])]
     print(
-        f"  order: predicted {ranked}, measured {order}"
+        f"  order (plan rows): predicted {[number[k] for k in ranked]}, measured {order}"
         + (
             f" -> swaps rows the plan ranks apart: {swapped}"
             if swapped

@@ -141,7 +141,8 @@ def test_the_saved_calibration_prices_a_build_as_the_plan_ranked_it(tmp_path):
 
 
 def test_rows_within_the_error_are_ties_listed_simplest_first():
-    assert groups([1.0, 1.03, 1.06, 1.2], 0.05) == [0, 0, 2, 3]
+    # A run of times each within the error of the one before: one group, however long.
+    assert groups([1.0, 1.03, 1.06, 1.2], 0.05) == [0, 0, 0, 3]
     assert groups([1.0, 1.03], None) == [0, 1]
     fits = plan_profile(synthetic_profile(flat), REQ).evaluation.fits
     one = next(e for e in fits if e.schedule == "1f1b" and e.mbs == MBS)
@@ -151,6 +152,12 @@ def test_rows_within_the_error_are_ties_listed_simplest_first():
     assert [e.schedule for e in rows] == ["1f1b", "zb-h1"] and places == [1, 1]
     rows, places = ranked([zb, one], 0.02)  # beyond the error: the faster first
     assert [e.schedule for e in rows] == ["zb-h1", "1f1b"] and places == [1, 2]
+    # Tied through a row between them, 1F1B is still beyond the error of the fastest: it is
+    # not the pick, and follows the rows within the error by predicted time.
+    mid = type(zb)(**{**zb.__dict__, "iteration_s": one.iteration_s / 1.015})
+    rows, places = ranked([one, mid, zb], 0.02)
+    assert [e.iteration_s for e in rows] == [zb.iteration_s, mid.iteration_s, one.iteration_s]
+    assert places == [1, 1, 1]
 
 
 def test_the_report_states_the_error_and_the_ties():

@@ -1,12 +1,14 @@
 """Rank candidates no finer than the plan can predict: ties within the expected error.
 
-Candidates are taken fastest first. With an expected error e (pipec/plan/calibration.py),
-the fastest opens a group, every later candidate predicted within (1 + e) times its time
-joins it, and the first one beyond opens the next group. Inside a group the prediction
-cannot tell the candidates apart, so they are listed simplest first: plain 1F1B, then other
-plain schedules, then memory-saving strategies, each by predicted time. Row 1, the pick,
-is thus plain 1F1B whenever 1F1B is within the error of the fastest. Without an expected
-error (an uncalibrated plan) there are no ties: every row is its own place.
+Candidates are taken fastest first. With an expected error e (pipec/plan/calibration.py), two
+candidates predicted within a factor (1 + e) of each other are tied; a tie group is a run of
+candidates each within (1 + e) of the one before it, so any two rows whose difference is
+within the error share a group. Inside a group the plan does not rank: it lists first the
+rows within (1 + e) of the group's fastest, simplest first (plain 1F1B, then other plain
+schedules, then memory-saving strategies, each by predicted time), then the rest of the group
+by predicted time. Row 1, the pick, is thus the simplest row within the error of the fastest:
+plain 1F1B whenever 1F1B is. Without an expected error (an uncalibrated plan) there are no
+ties: every row is its own place.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ def simplicity(ev: Evaluated) -> tuple[bool, bool, float, int]:
 
 
 def groups(times: Sequence[float], error: float | None) -> list[int]:
-    """For times in ascending order, each one's group: the index of the time that opened it."""
+    """For times in ascending order, each one's group: the index of the time that opened it
+    (a time within (1 + error) of the one before it joins that one's group)."""
     out: list[int] = []
     for k, t in enumerate(times):
-        opened = out[-1] if out else 0
-        out.append(opened if out and error is not None and t <= times[opened] * (1 + error) else k)
+        joins = out and error is not None and t <= times[k - 1] * (1 + error)
+        out.append(out[-1] if joins else k)
     return out
 
 
@@ -39,7 +42,9 @@ def ranked(fits: Sequence[Evaluated], error: float | None) -> tuple[list[Evaluat
     rows: list[Evaluated] = []
     places: list[int] = []
     for g in sorted(set(opened)):
-        members = sorted((e for e, o in zip(fastest, opened) if o == g), key=simplicity)
+        members = [e for e, o in zip(fastest, opened) if o == g]
+        near = [e for e in members if e.iteration_s <= members[0].iteration_s * (1 + (error or 0))]
+        members = sorted(near, key=simplicity) + members[len(near) :]
         places += [len(rows) + 1] * len(members)
         rows += members
     return rows, places

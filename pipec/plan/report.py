@@ -213,8 +213,9 @@ def _tie_line(plan: Plan, table: list[Row]) -> list[str]:
         return [f"row 1 is faster than every other row by more than {error}"]
     first = table[0].ev
     said = (
-        f"rows 1-{tied[-1]} are within {error} of the fastest: a tie, listed simplest first; "
-        f"row 1 is {first.schedule} {first.strategy} at mbs {first.mbs}"
+        f"rows 1-{tied[-1]} are tied (each within {error} of the next): the plan does not rank "
+        f"them; row 1, {first.schedule} {first.strategy} at mbs {first.mbs}, is the simplest "
+        "within the error of the fastest"
     )
     return [said]
 
