@@ -65,9 +65,9 @@ class RankReport:
     overhead_us: float  # median over steps of the interpreter's own time per instruction
     device: str  # "cpu" or "cuda": which meter read the real bytes
     own: tuple[tuple[float, float], ...] = ()
-    """Per step: the rank's own time per instruction (us) beside its compute, its waits and
-    its optimizer step (the loop, issuing sends, posting receives), and the optimizer step's
-    time (ms)."""
+    """Per step: the rank's own time per instruction (us) beside its compute, its waits, its
+    all-reduces and its optimizer step (the loop, issuing sends, posting receives), and the
+    optimizer step's time (ms)."""
 
 
 def rank_report(
@@ -76,6 +76,8 @@ def rank_report(
     steps, ops, own = [], [], []
     compute_at = [k for k, i in enumerate(program) if i.op in COMPUTE_OPS]
     optimizer_at = [k for k, i in enumerate(program) if i.op is Op.OPTIMIZER_STEP]
+    # Issuing an all-reduce packs the gradients: a collective's cost, not the interpreter's.
+    collective_at = [k for k, i in enumerate(program) if i.op is Op.ALLREDUCE_GRADS]
     for t in traces:
         compute = [(t.start[k] - t.begin, t.end[k] - t.begin) for k in compute_at]
         busy = sum(e - s for s, e in compute)
@@ -86,7 +88,8 @@ def rank_report(
         worked = sum(map(sub, t.end, t.start))  # every handler's time less its waits
         optimizer = sum(t.end[k] - t.start[k] for k in optimizer_at)
         waits = t.handler_s - worked
-        rest = t.wall_s - waits - busy - optimizer
+        collectives = sum(t.end[k] - t.start[k] for k in collective_at)
+        rest = t.wall_s - waits - busy - optimizer - collectives
         own.append((rest / len(program) * 1e6, optimizer * MS))
     t = next(x for x in reversed(traces) if x.full)  # the last, unless a signal stopped the run
     slots = tuple(

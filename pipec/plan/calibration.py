@@ -12,8 +12,9 @@ runtime's own time per instruction and the message link the calibration run meas
 
 Where a size was not run, a kind takes its factor at the nearest size that was; a kind no
 run executed takes a related one's (`FALLBACK`: B and W apart from BW, and back). RECOMPUTE
-is a forward and counts as F. The optimizer step's factor comes from runs without
-all-reduces (a step after them waits for them, which the simulator times apart).
+is a forward and counts as F. The optimizer step's factor and the cost per instruction come
+from runs without all-reduces where there are some (a step after them waits for them, which
+the simulator times apart).
 
 What the model still misses depends on the schedule (how its ops contend for the cores, its
 all-reduces, its interpreter's share): each schedule and strategy that ran is corrected by
@@ -241,12 +242,15 @@ def fold(
     factors = tuple(
         (mbs, kind, f) for (mbs, kind), ps in sorted(pairs.items()) if (f := _ratio(ps)) is not None
     )
-    # A step after all-reduces waits for them, which the simulator times apart.
+    # A step after all-reduces waits for them, which the simulator times apart; their
+    # gradients' packing is apart from the interpreter's cost too, but not exactly.
     alone = [o for o in observed if Op.ALLREDUCE_GRADS not in op_kinds(o.compiled.programs)]
     optimizer = _ratio([o.optimizer for o in alone or observed]) or 1.0
     sizes = sorted({o.mbs for o in observed})
     instr_s = tuple(
-        (n, statistics.median(o.instr_s for o in observed if o.mbs == n)) for n in sizes
+        (n, statistics.median(o.instr_s for o in (alone or observed) if o.mbs == n))
+        for n in sizes
+        if any(o.mbs == n for o in alone or observed)
     )
     cal = Calibration(factors, optimizer, instr_s, link, conditions)
     profile, priced = cal.apply(raw), cal.priced(req)

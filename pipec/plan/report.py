@@ -11,6 +11,7 @@ of each other as ties (`=k`: tied with row k); an uncalibrated one says so.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -111,7 +112,7 @@ def render_text(plan: Plan, top: int = 10, chosen: Sequence[int] = (1,)) -> str:
     for k in sorted(set(chosen)):
         if k <= len(table):
             lines += ["", *_terms_table(k, table[k - 1].ev, plan.profile.device)]
-    lines += ["", _baseline_line(plan), *_tie_line(plan, table), _verdict(table)]
+    lines += ["", _baseline_line(plan), *_tie_line(plan, table), _verdict(table, plan.error)]
     fits, over, skipped = evaluation.fits, evaluation.over, evaluation.skipped
     lines.append(
         f"{len(fits)} candidates fit, {len(over)} over the budget, {len(skipped)} "
@@ -142,9 +143,10 @@ def _machine_line(plan: Plan) -> str:
     if cal is not None and cal.link is not None and topo is not None:
         latency, bandwidth = cal.link
         if topo.nodes == 1 and topo.intra == Link(bandwidth, latency):
+            rate = "" if math.isinf(bandwidth) else f" + bytes at {bandwidth / 1e9:.3g} GB/s"
             return (
-                f"transfers: {latency * 1e6:.3g} us + bytes at {bandwidth / 1e9:.3g} GB/s each "
-                "(measured between ranks 0 and 1 in the calibration run)"
+                f"transfers: {latency * 1e6:.3g} us{rate} each (measured between ranks 0 and 1 "
+                "in the calibration run)"
             )
     if topo is None:
         return f"transfers: {req.comm_s:g} s each (--comm; --nodes/--link price them by link)"
@@ -230,7 +232,7 @@ def _baseline_line(plan: Plan) -> str:
     )
 
 
-def _verdict(table: list[Row]) -> str:
+def _verdict(table: list[Row], error: float | None = None) -> str:
     """Whether saving memory pays: the best memory-saving candidate against the best plain."""
     plain = next((r for r in table if r.ev.strategy == "plain"), None)
     saving = next((r for r in table if r.ev.strategy != "plain"), None)
@@ -240,8 +242,8 @@ def _verdict(table: list[Row]) -> str:
         return "memory saving is needed: no plain schedule fits"
     gain = plain.ev.iteration_s / saving.ev.iteration_s
     verb = "pays" if gain > 1 else "does not pay"
-    if saving.place == plain.place and saving.tied:
-        verb = "is a tie (within the expected error)"
+    if error is not None and max(gain, 1 / gain) <= 1 + error:
+        verb = f"is a tie (within the expected error, {error:.1%})"
     return (
         f"memory saving {verb}: best {saving.ev.strategy} ({saving.ev.schedule}, mbs "
         f"{saving.ev.mbs}) is {gain:.2f}x the best plain ({plain.ev.schedule}, mbs "
