@@ -182,6 +182,8 @@ def test_spread_is_the_medians_uncertainty():
     assert spread([1.0]) == 0.0 and spread([2.0] * 9) == 0.0
     noisy = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 1.2, 0.8]
     assert 0 < spread(noisy) < (max(noisy) - min(noisy)) / 2
+    # Turns whose medians drifted apart: half their range, over the median.
+    assert spread([2.0] * 9, turns=(1.9, 2.0, 2.1)) == pytest.approx(0.05)
 
 
 def test_a_run_under_other_conditions_is_told():
@@ -225,3 +227,4 @@ def test_turns_of_a_run_merge_into_one():
     assert merged["ops"] == [{"op": "F", "stage": 0, "ms": 2.0, "count": 3}]
     assert merged["ranks"][0]["own_us_per_instruction"] == 20.0
     assert [s["iteration_ms"] for s in merged["per_step"]] == [10.0, 30.0, 20.0]
+    assert merged["turn_ms"] == [10.0, 30.0, 20.0]

@@ -24,8 +24,9 @@ model's usual miss).
 
 The expected error is what the corrected model still misses on the runs it came from: the
 largest |corrected prediction / measured - 1| of their iteration times (medians over the
-steps), plus how far such a median may be off by chance (`spread`, the median over the runs),
-and never below `MIN_ERROR`. Candidates predicted within it of each other are ties
+steps), plus how far such a median may be from another run's of the same build (`spread`:
+chance and the machine's drift between turns; the median over the runs), and never below
+`MIN_ERROR`. Candidates predicted within it of each other are ties
 (pipec/plan/ranking.py).
 """
 
@@ -78,6 +79,8 @@ class Observed:
     iterations: tuple[float, ...]
     precision: str
     compiled: Compiled = field(repr=False, compare=False)
+    turns: tuple[float, ...] = ()
+    """Each turn's median iteration time, where the run came in turns (a calibration run)."""
 
 
 @dataclass(frozen=True)
@@ -190,16 +193,18 @@ def _ratio(pairs: Sequence[tuple[float, float]]) -> float | None:
     return measured / profiled if profiled > 0 and measured > 0 else None
 
 
-def spread(iterations: Sequence[float]) -> float:
-    """How far the median of one run's step times may be from the run's true median, over
-    it: the standard error of a median of n samples, 1.2533 sigma / sqrt(n), with sigma
-    estimated from the interquartile range (IQR / 1.349), so that a step hit by a burst of
-    load counts little. 0 for under 2 steps."""
+def spread(iterations: Sequence[float], turns: Sequence[float] = ()) -> float:
+    """How far the median of one run's step times may be from another run's of the same
+    build, over it: the larger of the standard error of a median of n samples, 1.2533 sigma /
+    sqrt(n) with sigma estimated from the interquartile range (IQR / 1.349, so that a step
+    hit by a burst of load counts little), and half the range of its turns' medians (how far
+    the machine drifted between them). 0 for under 2 steps."""
     if len(iterations) < 2:
         return 0.0
     q1, q2, q3 = statistics.quantiles(iterations, n=4, method="inclusive")
     sigma = (q3 - q1) / 1.349
-    return 1.2533 * sigma / math.sqrt(len(iterations)) / q2 if q2 > 0 else 0.0
+    drift = (max(turns) - min(turns)) / 2 if turns else 0.0
+    return max(1.2533 * sigma / math.sqrt(len(iterations)), drift) / q2 if q2 > 0 else 0.0
 
 
 def predict(profile: ModelProfile, req: PlanRequest, o: Observed) -> float:
@@ -262,7 +267,7 @@ def fold(
     corrections = tuple(
         (f, statistics.median(m / p for _, g, p, m in runs if g == f)) for f in families
     )
-    noise = statistics.median(spread(o.iterations) for o in observed)
+    noise = statistics.median(spread(o.iterations, o.turns) for o in observed)
     cal = replace(cal, runs=runs, corrections=corrections, spread=noise)
     return replace(cal, error=max(MIN_ERROR, cal.residual + cal.spread)), profile, priced
 

@@ -47,7 +47,8 @@ def read_run(path: Path) -> tuple[Build, dict]:
 
 def merge_turns(turns: list[dict]) -> dict:
     """One run's stats from several turns of it (pipec/plan/calibrate_worker.py): each op's
-    and each rank's figures the median of the turns', every turn's kept steps."""
+    and each rank's figures the median of the turns', every turn's kept steps, and each
+    turn's median iteration time (`turn_ms`)."""
 
     def median(rows: list[dict], key: str) -> float:
         return statistics.median(row[key] for row in rows)
@@ -67,6 +68,7 @@ def merge_turns(turns: list[dict]) -> dict:
         ],
         "ranks": ranks,
         "per_step": [step for t in turns for step in t["per_step"]],
+        "turn_ms": [median(t["per_step"], "iteration_ms") for t in turns],
     }
 
 
@@ -136,6 +138,7 @@ def observe(raw: ModelProfile, build: Build, stats: dict, source: str) -> Observ
         optimizer=optimizer,
         instr_s=statistics.median(own) if own else 0.0,
         iterations=tuple(s["iteration_ms"] / MS for s in stats["per_step"]),
+        turns=tuple(ms / MS for ms in stats.get("turn_ms", ())),
         precision=stats.get("precision", "fp32"),
         compiled=build.compiled,
     )
