@@ -22,11 +22,12 @@ its runs' median measured / predicted, so that every candidate of it is priced f
 measurements; a schedule that did not run takes the median correction of those that did (the
 model's usual miss).
 
-The expected error is what the corrected model still misses on the runs it came from: the
-largest |corrected prediction / measured - 1| of their iteration times (medians over the
-steps), plus how far such a median may be from another run's of the same build (`spread`:
-chance and the machine's drift between turns; the median over the runs), and never below
-`MIN_ERROR`. Candidates predicted within it of each other are ties
+The expected error is the larger of what the corrected model still misses on the runs it came
+from (the largest |corrected prediction / measured - 1| of their iteration times, medians over
+the steps: the model's error and the runs' noise, for a schedule that ran more than once) and
+how far such a median may be from another run's of the same build (`spread`: chance and the
+machine's drift between turns, the median over the runs; all a schedule that ran once has),
+and never below `MIN_ERROR`. Candidates predicted within it of each other are ties
 (pipec/plan/ranking.py).
 """
 
@@ -269,7 +270,7 @@ def fold(
     )
     noise = statistics.median(spread(o.iterations, o.turns) for o in observed)
     cal = replace(cal, runs=runs, corrections=corrections, spread=noise)
-    return replace(cal, error=max(MIN_ERROR, cal.residual + cal.spread)), profile, priced
+    return replace(cal, error=max(MIN_ERROR, cal.residual, cal.spread)), profile, priced
 
 
 def key(ev: Evaluated) -> str:
