@@ -106,7 +106,7 @@ def test_folding_runs_recovers_the_machine_and_predicts_them():
     cal, profile, priced = fold(raw, runs, REQ, conditions=CONDITIONS)
     assert {k: f for _, k, f in cal.factors} == pytest.approx(TRUTH)
     assert cal.instr_s == ((MBS, INSTR_S),) and priced.instr_s == cal.instr_s
-    assert [c for _, c in cal.corrections] == pytest.approx([1.0, 1.0])
+    assert list(cal.corrections.values()) == pytest.approx([1.0, 1.0])
     assert cal.model_miss == pytest.approx(0.0, abs=1e-9)
     assert cal.error == MIN_ERROR  # nothing missed, no noise: the floor
     # The calibrated profile is the raw one scaled: per kind at every size (nearest measured).
@@ -117,15 +117,27 @@ def test_folding_runs_recovers_the_machine_and_predicts_them():
 def test_a_schedule_the_factors_cannot_explain_is_corrected_by_its_runs():
     runs = [made_up_run("1f1b"), made_up_run("zb-h1", slower=1.1)]
     plan = calibrate(plan_profile(synthetic_profile(flat), REQ), runs, None, CONDITIONS)
-    corrections = dict(plan.calibration.corrections)
-    assert corrections["zb-h1 plain"] / corrections["1f1b plain"] == pytest.approx(1.1)
+    cal = plan.calibration
+    corrections = cal.corrections
+    assert corrections[("zb-h1 plain", MBS)] / corrections[("1f1b plain", MBS)] == pytest.approx(
+        1.1
+    )
     by_name = {(e.schedule, e.mbs): e for e in plan.evaluation.fits}
-    # Every row of a schedule that ran is priced from its runs; interleaved, which did not
-    # run, takes the median correction.
-    zb = by_name[("zb-h1", MBS)]
-    assert zb.iteration_s == pytest.approx(runs[1].iterations[0], rel=1e-9)
-    median = (corrections["zb-h1 plain"] + corrections["1f1b plain"]) / 2
-    assert plan.calibration.correction("interleaved plain") == pytest.approx(median)
+    # A row that ran is priced from its run; the same schedule at another size by the nearest
+    # size's correction; interleaved, which did not run, by the median correction.
+    assert by_name[("zb-h1", MBS)].iteration_s == pytest.approx(runs[1].iterations[0], rel=1e-9)
+    assert cal.correction("zb-h1 plain", 2 * MBS) == corrections[("zb-h1 plain", MBS)]
+    median = (corrections[("zb-h1 plain", MBS)] + corrections[("1f1b plain", MBS)]) / 2
+    assert cal.correction("interleaved plain", MBS) == pytest.approx(median)
+    assert cal.residual == 0.0  # no schedule ran at two sizes: nothing to carry over
+
+
+def test_a_correction_carried_to_another_size_states_its_miss():
+    # 1F1B ran at two sizes and missed by 5% more at one: carried over, the miss is stated.
+    runs = [made_up_run("1f1b", mbs=MBS), made_up_run("1f1b", slower=1.05, mbs=2 * MBS)]
+    plan = calibrate(plan_profile(synthetic_profile(flat), REQ), runs, None, CONDITIONS)
+    assert plan.calibration.residual == pytest.approx(0.05, rel=1e-3)
+    assert plan.error == plan.calibration.residual
 
 
 def test_the_saved_calibration_prices_a_build_as_the_plan_ranked_it(tmp_path):

@@ -17,18 +17,18 @@ from runs without all-reduces where there are some (a step after them waits for 
 the simulator times apart).
 
 What the model still misses depends on the schedule (how its ops contend for the cores, its
-all-reduces, its interpreter's share): each schedule and strategy that ran is corrected by
-its runs' median measured / predicted, so that every candidate of it is priced from its own
-measurements; a schedule that did not run takes the median correction of those that did (the
-model's usual miss).
+all-reduces, its interpreter's share): each schedule and strategy that ran is corrected at
+each size it ran by its run's measured / predicted, so that a candidate that ran is priced from
+its own run, one of the same schedule at another size by the nearest size's correction; a
+schedule that did not run takes the median correction of those that did (the model's usual
+miss). A run's time is the median of its turns' medians.
 
-The expected error is the larger of what the corrected model still misses on the runs it came
-from (the largest |corrected prediction / measured - 1| of their iteration times, medians over
-the steps: the model's error and the runs' noise, for a schedule that ran more than once) and
-how far such a median may be from another run's of the same build (`spread`: chance and the
-machine's drift between turns, the median over the runs; all a schedule that ran once has),
-and never below `MIN_ERROR`. Candidates predicted within it of each other are ties
-(pipec/plan/ranking.py).
+The expected error is the larger of how well a correction carries to another size (for a
+schedule run at several sizes, the largest |prediction corrected as if its size had not run /
+measured - 1|: the model's error across sizes and the runs' noise) and how far a run's median
+may be from another run's of the same build (`spread`: chance and the machine's drift between
+turns, the median over the runs), and never below `MIN_ERROR`. Candidates predicted within it
+of each other are ties (pipec/plan/ranking.py).
 """
 
 from __future__ import annotations
@@ -97,25 +97,34 @@ class Calibration:
     instr_s: tuple[tuple[int, float], ...]
     link: tuple[float, float] | None
     conditions: Conditions | None
-    runs: tuple[tuple[str, str, float, float], ...] = ()
-    """Per run: its source, its schedule and strategy, the model's prediction and the
-    measured iteration time (seconds)."""
-    corrections: tuple[tuple[str, float], ...] = ()
-    """Per schedule and strategy that ran: measured / predicted, the median over its runs."""
+    runs: tuple[tuple[str, str, int, float, float], ...] = ()
+    """Per run: its source, its schedule and strategy, its micro-batch size, the model's
+    prediction and the measured iteration time (seconds)."""
     spread: float = 0.0
     error: float = MIN_ERROR
 
-    def correction(self, family: str) -> float:
-        """The factor a candidate of `family` (`key`) is priced with: its runs', else the
-        median over the schedules that ran (the model's usual miss), else 1."""
-        found = dict(self.corrections)
-        if family in found:
-            return found[family]
+    @property
+    def corrections(self) -> dict[tuple[str, int], float]:
+        """Per schedule and strategy and micro-batch size that ran: measured / predicted (the
+        median over its runs there)."""
+        found: dict[tuple[str, int], list[float]] = {}
+        for _, family, mbs, predicted, measured in self.runs:
+            found.setdefault((family, mbs), []).append(measured / predicted)
+        return {k: statistics.median(v) for k, v in found.items()}
+
+    def correction(self, family: str, mbs: int, leave_out: int | None = None) -> float:
+        """The factor a candidate of `family` (`key`) at `mbs` is priced with: its runs' there,
+        else at the nearest size its schedule ran, else the median over everything that ran
+        (the model's usual miss), else 1. `leave_out`: as if that size had not run."""
+        found = {k: c for k, c in self.corrections.items() if k[1] != leave_out}
+        own = [(n, c) for (f, n), c in found.items() if f == family]
+        if own:
+            return at_size(own, mbs)
         return statistics.median(found.values()) if found else 1.0
 
     def corrected(self, ev: Evaluated) -> Evaluated:
         """`ev` with its predicted iteration time corrected by its schedule's runs."""
-        return replace(ev, iteration_s=ev.iteration_s * self.correction(key(ev)))
+        return replace(ev, iteration_s=ev.iteration_s * self.correction(key(ev), ev.mbs))
 
     def factor(self, mbs: int, kind: str) -> float:
         """The factor of `kind` at `mbs`: measured there, else at the nearest size measured
@@ -152,14 +161,25 @@ class Calibration:
 
     @property
     def residual(self) -> float:
-        """The largest |predicted / measured - 1| over the runs, each corrected as its
-        schedule's candidates are (0 for a schedule that ran once)."""
-        return max((abs(p * self.correction(f) / m - 1) for _, f, p, m in self.runs), default=0.0)
+        """The largest |corrected / measured - 1| over the runs of schedules that ran at more
+        than one size, each corrected as if its own size had not run: how well a correction
+        carries to another size."""
+        sizes: dict[str, set[int]] = {}
+        for _, f, n, _, _ in self.runs:
+            sizes.setdefault(f, set()).add(n)
+        return max(
+            (
+                abs(p * self.correction(f, n, leave_out=n) / m - 1)
+                for _, f, n, p, m in self.runs
+                if len(sizes[f]) > 1
+            ),
+            default=0.0,
+        )
 
     @property
     def model_miss(self) -> float:
         """The largest |predicted / measured - 1| over the runs, by the model alone."""
-        return max((abs(p / m - 1) for _, _, p, m in self.runs), default=0.0)
+        return max((abs(p / m - 1) for *_, p, m in self.runs), default=0.0)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -169,7 +189,7 @@ class Calibration:
             "link": None if self.link is None else list(self.link),
             "conditions": None if self.conditions is None else self.conditions.to_json(),
             "runs": [list(r) for r in self.runs],
-            "corrections": [list(c) for c in self.corrections],
+            "corrections": [[f, n, c] for (f, n), c in sorted(self.corrections.items())],
             "spread": self.spread,
             "error": self.error,
         }
@@ -182,8 +202,7 @@ class Calibration:
             tuple((int(n), float(x)) for n, x in d["instr_s"]),
             None if d["link"] is None else (d["link"][0], d["link"][1]),
             None if d["conditions"] is None else Conditions.from_json(d["conditions"]),
-            tuple((str(s), str(f), float(p), float(m)) for s, f, p, m in d["runs"]),
-            tuple((str(f), float(c)) for f, c in d["corrections"]),
+            tuple((str(s), str(f), int(n), float(p), float(m)) for s, f, n, p, m in d["runs"]),
             d["spread"],
             d["error"],
         )
@@ -243,8 +262,8 @@ def fold(
     docstring). The runs are then predicted again to state the expected error."""
     pairs: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for o in observed:
-        for kind, measured, profiled in o.kinds:
-            pairs.setdefault((o.mbs, kind), []).append((measured, profiled))
+        for kind, took, priced_s in o.kinds:
+            pairs.setdefault((o.mbs, kind), []).append((took, priced_s))
     factors = tuple(
         (mbs, kind, f) for (mbs, kind), ps in sorted(pairs.items()) if (f := _ratio(ps)) is not None
     )
@@ -261,16 +280,17 @@ def fold(
     cal = Calibration(factors, optimizer, instr_s, link, conditions)
     profile, priced = cal.apply(raw), cal.priced(req)
     runs = tuple(
-        (o.source, o.family, predict(profile, priced, o), statistics.median(o.iterations))
-        for o in observed
-    )
-    families = sorted({f for _, f, _, _ in runs})
-    corrections = tuple(
-        (f, statistics.median(m / p for _, g, p, m in runs if g == f)) for f in families
+        (o.source, o.family, o.mbs, predict(profile, priced, o), run_time(o)) for o in observed
     )
     noise = statistics.median(spread(o.iterations, o.turns) for o in observed)
-    cal = replace(cal, runs=runs, corrections=corrections, spread=noise)
+    cal = replace(cal, runs=runs, spread=noise)
     return replace(cal, error=max(MIN_ERROR, cal.residual, cal.spread)), profile, priced
+
+
+def run_time(o: Observed) -> float:
+    """A run's iteration time: the median of its turns' medians (a turn that a burst of load
+    hit counts as one of three), else of its steps."""
+    return statistics.median(o.turns or o.iterations)
 
 
 def key(ev: Evaluated) -> str:

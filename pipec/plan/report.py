@@ -185,8 +185,8 @@ def calibration_lines(plan: Plan) -> list[str]:
     )
     error = (
         f"expected error {cal.error:.1%}: the model alone missed the runs by up to "
-        f"{cal.model_miss:.1%}, corrected by each schedule's runs by {cal.residual:.1%}; a "
-        f"run's median uncertain by {cal.spread:.1%}; rows within it of each other are ties "
+        f"{cal.model_miss:.1%}, a correction carried to another size by {cal.residual:.1%}; "
+        f"a run's median uncertain by {cal.spread:.1%}; rows within it of each other are ties "
         "(=k)"
     )
     under = [] if cal.conditions is None else [f"measured with {cal.conditions.text()}"]
