@@ -37,7 +37,7 @@ from pipec.runtime.torchrun import torchrun
 
 SHORTLIST = 10
 """The fastest candidates whose micro-batch sizes are calibrated."""
-ROUNDS, STEPS = 3, 6
+ROUNDS, STEPS = 4, 5
 """Turns each calibration build takes, and steps per turn (its first left out as a warm-up):
 the builds alternate, so a burst of load hits them alike, and most kept steps are ones where
 the CPU meter reads once (runtime/meter.py's `Sampling`), as in a long run."""

@@ -289,7 +289,7 @@ def fold(
 
 def run_time(o: Observed) -> float:
     """A run's iteration time: the median of its turns' medians (a turn that a burst of load
-    hit counts as one of three), else of its steps."""
+    hit counts as one of four), else of its steps."""
     return statistics.median(o.turns or o.iterations)
 
 
