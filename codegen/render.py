@@ -502,6 +502,24 @@ def measured_table(stats: dict) -> str:
     return "\n".join(lines)
 
 
+#: How far a kind's measured / predicted may be from 1 before `pipec show` names it.
+KIND_TOLERANCE = 0.10
+
+
+def op_kinds_line(ratios: Mapping[str, float]) -> str:
+    """The op kinds whose measured durations differ from the build's costs by more than
+    `KIND_TOLERANCE`, or that none does (`ratios`: kind -> measured / predicted)."""
+    every = ", ".join(f"{k} x{r:.2f}" for k, r in ratios.items())
+    off = [k for k, r in ratios.items() if abs(r - 1) > KIND_TOLERANCE]
+    if not off:
+        within = f"every one within {KIND_TOLERANCE:.0%} of its cost"
+        return f"op kinds: {within} ({every} measured / predicted)"
+    return (
+        f"op kinds off by more than {KIND_TOLERANCE:.0%}: {', '.join(off)} ({every} measured / "
+        "predicted); pipec plan --calibrate BUILD folds this run into a plan"
+    )
+
+
 def bytes_table(rows: Sequence[Mapping]) -> str:
     """Per rank, the predicted peak bytes (passes/memory_bytes.py), by term, beside the real
     peak a run measured and their ratio (`pipec show`'s memory table)."""

@@ -11,6 +11,9 @@ single value. With `per="chunk"` each value is one chunk op's own duration, as g
 model's measured stages are, and what papers that count chunk passes use. `of_chunks` turns
 the first form into the second; a plan holds costs per chunk op.
 
+`instr_overhead` is what the runtime spends per instruction beside the ops (its loop, issuing
+a send, posting a receive), in the same unit; 0 leaves it out.
+
 `comm` is the latency of one cross-rank transfer, never divided: a smaller chunk does not
 make a message start sooner. A `topology` instead prices each transfer by the link it crosses
 (latency + size / bandwidth; a pipeline message carries a stage input, `mem_input`, and an
@@ -61,6 +64,10 @@ class CostModel:
     per: str = "share"
     """What F, B, W and `allreduce` describe: "share", one rank's share of the model (a chunk
     takes its part), or "chunk", one chunk's op. Durations are read per chunk op only."""
+    instr_overhead: float = 0.0
+    """The runtime's own time per instruction (its loop, issuing sends, posting receives),
+    beside the ops' durations: the simulator charges it for every instruction of a program
+    (`passes/simulate.py`, `instruction_charges`). 0: not counted."""
 
     def of_chunks(self, share: float) -> CostModel:
         """These costs per chunk op, for chunks that are `share` of a rank's share
@@ -151,6 +158,8 @@ class CostModel:
             out["input_bytes"] = list(self.input_bytes)
         if self.per != "chunk":  # plans hold costs per chunk op (`of_chunks`): no key there
             out["per"] = self.per
+        if self.instr_overhead:
+            out["instr_overhead"] = self.instr_overhead
         return out
 
     @staticmethod
@@ -169,6 +178,7 @@ class CostModel:
             d.get("allreduce", 0.0),
             tuple(d.get("input_bytes", ())),
             per=d.get("per", "chunk"),
+            instr_overhead=d.get("instr_overhead", 0.0),
         )
 
 

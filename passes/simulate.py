@@ -141,6 +141,28 @@ def overlap_starts(program: Sequence[Instr]) -> set[int]:
     return starts
 
 
+def instruction_charges(program: Sequence[Instr], cost: float) -> tuple[float, ...]:
+    """Per op `play` steps through (compute and stash moves, in program order), the runtime's
+    own time for the instructions it stands for at `cost` each: a compute op's own, the
+    instructions after it up to the next compute op (its sends, posted receives, stash moves;
+    the runtime runs them right after it) and, for the first, those before it. A compute op
+    ends that much later; a stash move is charged to the compute op before it."""
+    played_ops = COMPUTE_OPS | MEMORY_OPS
+    charges = [0.0] * sum(i.op in played_ops for i in program)
+    last, before, k = None, 0, 0
+    for instr in program:
+        if instr.op in COMPUTE_OPS:
+            last = k
+            charges[k] = cost * (1 + before)
+            before = 0
+        elif last is None:
+            before += 1
+        else:
+            charges[last] += cost
+        k += instr.op in played_ops
+    return tuple(charges)
+
+
 def play(
     layout: Layout,
     programs: Sequence[Sequence[Instr]],
@@ -157,7 +179,9 @@ def play(
     Stash transfers are recorded in `transfers` when one is given. `overlap_as_one`: an
     OVERLAP pair waits for the inputs of both its ops (DeepSeek's accounting, see above).
     `measured`: each compute op's own duration (what a run measured), in place of the cost
-    model's per stage: the schedule replayed with no wait but its messages' latency.
+    model's per stage: the schedule replayed with no wait but its messages' latency. With
+    `costs.instr_overhead`, each compute op also takes the runtime's time for its
+    instructions (`instruction_charges`).
     """
     costs = costs.of_chunks(layout.stash_share)  # a rank's share's costs: each chunk its part
     recompute = uses_recompute(programs)
@@ -165,6 +189,10 @@ def play(
     rank_of = layout.stage_rank
     played_ops = COMPUTE_OPS | MEMORY_OPS
     compute = [[i for i in prog if i.op in played_ops] for prog in programs]
+    charged = [
+        instruction_charges(prog, costs.instr_overhead) if costs.instr_overhead else ()
+        for prog in programs
+    ]
     overlaps = overlap_as_one and Op.OVERLAP in op_kinds(programs)
     paired = [overlap_starts(prog) if overlaps else set() for prog in programs]
     times: dict[Node, tuple[float, float]] = {}
@@ -191,6 +219,7 @@ def play(
         r = ready.pop()
         order, k, t = compute[r], pos[r], clock[r]
         pairs, delay_r, end, slots_r = paired[r], delay[r], len(order), slots[r]
+        charges = charged[r]
         while k < end:
             instr = order[k]
             op = instr.op
@@ -233,6 +262,8 @@ def play(
                 break
             node = (op, stage, mb)
             t = start + (durations[op][stage] if measured is None else measured[node])
+            if charges:
+                t += charges[k]
             times[node] = (start, t)
             done_order.append(node)
             slots_r.append(new(Slot, (instr, start, t)))

@@ -156,7 +156,11 @@ def package(
     # Invariants 2-3 (the blocking execution) need no simulation: on a large compile they are
     # checked on the other core while this one simulates and checks the rest.
     with beside(partial(check_execution, compiled), instruction_count(compiled)):
-        sim = simulate(compiled.layout, compiled.programs, costs, played)
+        # The orders' play lacks the sends and receives the runtime's cost per instruction
+        # is charged for: the lowered programs are played again then.
+        sim = simulate(
+            compiled.layout, compiled.programs, costs, None if costs.instr_overhead else played
+        )
         peaks = [r.peak_activations for r in sim.ranks]
         verify(compiled, costs, peaks, stashes_limit, execution=False, dp=opts.dp)
     if opts.limit_in_bytes:

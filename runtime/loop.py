@@ -16,6 +16,7 @@ import torch.distributed as dist
 from pipec.build_dir import MEASURED, title
 from pipec.codegen.render import measured_table
 from pipec.ir import Op
+from pipec.plan.conditions import current
 from pipec.runtime.barrier import step_barrier, who_left
 from pipec.runtime.faults import Watchdog
 from pipec.runtime.gather import all_gather_objects
@@ -105,6 +106,10 @@ def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:
     stats = summarize(reports, build.compiled, build.costs, source, skip)
     stats["backend"] = dist.get_backend()
     # What the memory prediction prices beside the real peaks (`pipec show`).
-    stats |= {"precision": "bf16" if rt.compute_dtype else "fp32", "zero": rt.dp if rt.zero else 1}
+    precision = "bf16" if rt.compute_dtype else "fp32"
+    stats |= {"precision": precision, "zero": rt.dp if rt.zero else 1}
+    # What its times depend on, for a plan that folds them in (pipec/plan/conditions.py).
+    run = current(torch.get_num_threads(), dist.get_world_size(), precision, rt.device.type)
+    stats["conditions"] = run.to_json()
     write(build.path / MEASURED, stats, timeline(reports, title(build)))
     print(measured_table(stats), flush=True)

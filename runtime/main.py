@@ -46,6 +46,7 @@ from pipec.checkpoint_lineage import Lineage, check_save, later_than, set_aside
 from pipec.frontend import FrontendError, load_factory
 from pipec.frontend.precision import PRECISIONS
 from pipec.ir import Op, PipecError
+from pipec.plan.conditions import current, notice
 from pipec.progress import progress
 from pipec.provenance import check_model, resolve
 from pipec.run_checks import check_writable
@@ -200,6 +201,10 @@ def main(
         torch.cuda.set_device(device)
     if grank == 0:
         print(f"config: {changed(launch_parser(), args)}", flush=True)
+        # A plan's predicted time holds under the conditions its times were measured under.
+        here = current(torch.get_num_threads(), world, args.precision, device.type)
+        if said := notice(run.build.plan["model"].get("planned"), here):
+            print(f"pipec runtime: notice: {said}", file=sys.stderr, flush=True)
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
     claim(run, grank, device)
     if grank == 0 and run.resume:

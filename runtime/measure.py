@@ -11,7 +11,10 @@ every rank takes right after a barrier); rank 0 gathers them and writes OUT/meas
                    parameters, gradients and optimizer state alive at that peak; the stash
                    counter's peak (the bytes the runtime books for stashes: autograd's saved
                    tensors, what moved by EVICT/LOAD, accepted and deferred-W bytes, all
-                   steps); busy time, interpreter overhead per instruction; the replay
+                   steps); busy time, interpreter overhead per instruction, the rank's
+                   own time per instruction beside compute, waits and the optimizer step
+                   (the loop, sends, posted receives) and the optimizer step's time; each
+                   compute op kind's median duration per stage (`ops`); the replay
                    (each step's compute instructions played by the simulator with their own
                    measured durations and the build's message latency: the step with no wait
                    but the latency, so makespan / replay is what the runtime added beyond
@@ -29,7 +32,8 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from operator import sub
 from pathlib import Path
 
 from pipec.codegen.render import chrome_trace, dump_json
@@ -60,13 +64,20 @@ class RankReport:
     live: tuple[tuple[float, int, int], ...]  # last step, after each instr: time, counter, real
     overhead_us: float  # median over steps of the interpreter's own time per instruction
     device: str  # "cpu" or "cuda": which meter read the real bytes
+    own: tuple[tuple[float, float], ...] = ()
+    """Per step: the rank's own time per instruction (us) beside its compute, its waits, its
+    all-reduces and its optimizer step (the loop, issuing sends, posting receives), and the
+    optimizer step's time (ms)."""
 
 
 def rank_report(
     rank: int, program: tuple[Instr, ...], peak: int, traces: list[StepTrace], device: str
 ) -> RankReport:
-    steps, ops = [], []
+    steps, ops, own = [], [], []
     compute_at = [k for k, i in enumerate(program) if i.op in COMPUTE_OPS]
+    optimizer_at = [k for k, i in enumerate(program) if i.op is Op.OPTIMIZER_STEP]
+    # Issuing an all-reduce packs the gradients: a collective's cost, not the interpreter's.
+    collective_at = [k for k, i in enumerate(program) if i.op is Op.ALLREDUCE_GRADS]
     for t in traces:
         compute = [(t.start[k] - t.begin, t.end[k] - t.begin) for k in compute_at]
         busy = sum(e - s for s, e in compute)
@@ -74,6 +85,12 @@ def rank_report(
         last = max((e for _, e in compute), default=0.0)
         steps.append((t.wall_s * MS, busy * MS, first * MS, last * MS))
         ops.append(tuple((e - s) * MS for s, e in compute))
+        worked = sum(map(sub, t.end, t.start))  # every handler's time less its waits
+        optimizer = sum(t.end[k] - t.start[k] for k in optimizer_at)
+        waits = t.handler_s - worked
+        collectives = sum(t.end[k] - t.start[k] for k in collective_at)
+        rest = t.wall_s - waits - busy - optimizer - collectives
+        own.append((rest / len(program) * 1e6, optimizer * MS))
     t = next(x for x in reversed(traces) if x.full)  # the last, unless a signal stopped the run
     slots = tuple(
         (i, (t.start[k] - t.begin) * MS, (t.end[k] - t.begin) * MS)
@@ -84,7 +101,17 @@ def rank_report(
     overhead = statistics.median((x.wall_s - x.handler_s) / len(program) * 1e6 for x in traces)
     memory = tuple((x.real_peak, x.state_at_peak) for x in traces)
     return RankReport(
-        rank, peak, len(program), tuple(steps), memory, tuple(ops), slots, live, overhead, device
+        rank,
+        peak,
+        len(program),
+        tuple(steps),
+        memory,
+        tuple(ops),
+        slots,
+        live,
+        overhead,
+        device,
+        tuple(own),
     )
 
 
@@ -94,6 +121,7 @@ def replayed_ms(ops: Mapping[int, Sequence[float]], compiled: Compiled, costs: C
     op's slowest copy counts) and `costs`' message latency: the step without any wait beyond
     the latency, the runtime's or the host's."""
     programs = compiled.programs
+    costs = replace(costs, instr_overhead=0.0)  # the runtime's own time is what this measures
     measured: dict[Node, float] = {}
     for rank, durations in ops.items():
         compute = [i for i in programs[rank % len(programs)] if i.op in COMPUTE_OPS]
@@ -145,6 +173,7 @@ def summarize(
                 "overhead_us_per_instruction": r.overhead_us,
                 "instructions": r.instructions,
             }
+            | _own_time(r, kept)
         )
     return {
         "device": reports[0].device,
@@ -158,7 +187,51 @@ def summarize(
             "cost_source": cost_source,
         },
         "ranks": ranks,
+        "ops": op_medians(reports, compiled, kept),
     }
+
+
+def _own_time(r: RankReport, kept: range) -> dict:
+    """The rank's own time per instruction and its optimizer step's time, medians over the
+    kept steps (none from a report without them)."""
+    if not r.own:
+        return {}
+    return {
+        "own_us_per_instruction": statistics.median(r.own[k][0] for k in kept),
+        "optimizer_ms": statistics.median(r.own[k][1] for k in kept),
+    }
+
+
+def op_medians(reports: list[RankReport], compiled: Compiled, kept: range) -> list[dict]:
+    """Each compute op kind of each stage: its median duration in ms over the kept steps and
+    every micro-batch (and data-parallel copy), and how many durations that is: what a run
+    measured, which `pipec plan --calibrate` folds back into a plan and `pipec show` compares
+    with the build's costs."""
+    programs = compiled.programs
+    found: dict[tuple[str, int], list[float]] = {}
+    for r in reports:
+        compute = [i for i in programs[r.rank % len(programs)] if i.op in COMPUTE_OPS]
+        for k in kept:
+            for instr, ms in zip(compute, r.ops[k], strict=True):
+                found.setdefault((instr.op.value, instr.stage), []).append(ms)
+    return [
+        {"op": op, "stage": stage, "ms": statistics.median(ms), "count": len(ms)}
+        for (op, stage), ms in sorted(found.items())
+    ]
+
+
+def kind_ratios(stats: dict, compiled: Compiled, costs: CostModel) -> dict[str, float]:
+    """Per compute op kind the run executed, measured / predicted: its median durations per
+    stage (`op_medians`, in stats.json) summed over the stages, over the build's costs for
+    the same ops (`pipec show`'s check of the costs a build was priced with)."""
+    costs = costs.of_chunks(compiled.layout.stash_share)
+    sums: dict[str, list[float]] = {}
+    for op in stats.get("ops", ()):
+        predicted = costs.duration(Instr(Op(op["op"]), op["stage"]), compiled.layout)
+        pair = sums.setdefault(op["op"], [0.0, 0.0])
+        pair[0] += op["ms"]
+        pair[1] += predicted
+    return {kind: m / p for kind, (m, p) in sorted(sums.items()) if p > 0}
 
 
 def timeline(reports: list[RankReport], title: str) -> dict:

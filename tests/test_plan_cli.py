@@ -28,6 +28,7 @@ def test_plan_on_the_tiny_gpt(p, capsys, tmp_path):
         "--save-profile",
         str(tmp_path / "profile.json"),
         "--json",
+        "--no-calibration-run",
     )
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -79,7 +80,7 @@ def test_plan_prices_transfers_on_the_machine_given(capsys, tmp_path):
         "plan", GPT, "--pp", "2", "--global-batch", "4", "--memory-per-device", "1GiB",
         "--mbs", "1,2", "--runs", "1", "--peak-tflops", "0.1", "--threads", "1",
         "--nodes", "2", "--gpus-per-node", "1", "--link", link, "--json",
-        "--save-profile", str(tmp_path / "profile.json"),
+        "--save-profile", str(tmp_path / "profile.json"), "--no-calibration-run",
     )  # fmt: skip
     captured = capsys.readouterr()
     assert code == 0, captured.err

@@ -109,6 +109,7 @@ def test_plan_out_of_a_row_the_factory_cannot_give_is_one_line(tmp_path, capsys,
         "plan", f"{FACTORIES}:fixed", "--pp", "2", "--global-batch", "8", "--mbs", "4",
         "--memory-per-device", "1GiB", "--schedules", "1f1b", "--strategies", "plain",
         "--runs", "1", "--peak-tflops", "0.1", "--threads", "1", "--out", str(out),
+        "--no-calibration-run",
     )  # fmt: skip
     captured = capsys.readouterr()
     assert code == 2

@@ -19,6 +19,7 @@ from pipec.plan.saved import load
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--runs", "1", "--peak-tflops", "1", "--threads", "1", "--time-budget", "60"]
+FAST += ["--no-calibration-run"]  # the op times are not what these tests check
 
 pytestmark = pytest.mark.slow
 

@@ -74,8 +74,8 @@ def test_a_saved_profile_reads_back_equal(tmp_path, plans):
     [
         ("{", "not JSON"),
         ('{"format": "other"}', "not a profile `pipec plan` wrote"),
-        ('{"format": "pipec.plan_profile/2", "comm_s": 0}', "corrupted (KeyError"),
-        ('{"format": "pipec.plan_profile/1"}', "written by another version of pipec plan"),
+        ('{"format": "pipec.plan_profile/3", "comm_s": 0}', "corrupted (KeyError"),
+        ('{"format": "pipec.plan_profile/2"}', "written by another version of pipec plan"),
     ],
 )
 def test_a_bad_profile_file_is_one_line(tmp_path, text, message):
@@ -179,6 +179,7 @@ def test_every_json_row_carries_the_command_that_builds_it(tmp_path, capsys):
         "plan", GPT, "--pp", "2", "--global-batch", "8", "--memory-per-device", "1GiB",
         "--mbs", "2,4", "--runs", "1", "--peak-tflops", "0.1", "--threads", "1",
         "--schedules", "1f1b,zb-v", "--save-profile", str(profile), "--json",
+        "--no-calibration-run",
     )  # fmt: skip
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -228,6 +229,7 @@ def test_a_pick_past_the_rows_is_one_line_and_builds_nothing(tmp_path, capsys):
         "--memory-per-device", "1GiB", "--schedules", "1f1b", "--strategies", "plain",
         "--runs", "1", "--peak-tflops", "0.1", "--threads", "1",
         "--save-profile", str(tmp_path / "p.json"), "--out", str(out), "--pick", "2",
+        "--no-calibration-run",
     )  # fmt: skip
     captured = capsys.readouterr()
     assert code == 2

@@ -10,7 +10,7 @@ import click
 
 from pipec.build_dir import MEASURED, Build, check_build, load
 from pipec.codegen.partition import partition_text
-from pipec.codegen.render import bytes_table, measured_table, terminal_gantt
+from pipec.codegen.render import bytes_table, measured_table, op_kinds_line, terminal_gantt
 from pipec.commands.tables import eviction_line, placement_table, rank_table
 from pipec.interop import export_torch_csv
 from pipec.ir import PipecError
@@ -69,6 +69,7 @@ def show(directory: Path, lines: int, width: int, as_json: bool) -> None:
     stats = _measured(directory)
     if stats is not None:  # written by a run of OUT/launch.py
         click.echo(measured_table(stats))
+        _echo_op_kinds(build, stats)
     if build.plan.get("model"):  # the prediction, beside the real peaks after a run
         click.echo(bytes_table(_memory_rows(build, sim, stats)))
     if stats is not None:
@@ -88,13 +89,31 @@ def _checked(build: Build) -> SimResult:
         raise PipecError(f"this build is broken: {e}") from None
 
 
+def _echo_op_kinds(build: Build, stats: dict) -> None:
+    """Which op kinds the run measured more than 10% off the costs the build was priced with
+    (not for FLOP estimates, which are no prediction of time)."""
+    from pipec.runtime.measure import kind_ratios
+
+    if stats["simulated"]["cost_source"] == "estimate" or not stats.get("ops"):
+        return
+    click.echo(op_kinds_line(kind_ratios(stats, build.compiled, build.costs)))
+
+
 def _echo_planned(plan: dict, stats: dict) -> None:
-    """A build `pipec plan` made: its predicted iteration time beside the measured one."""
+    """A build `pipec plan` made: its predicted iteration time beside the measured one, and
+    whether the run's conditions differ from those the plan's times were measured under."""
     from pipec.plan.build import planned_line
+    from pipec.plan.conditions import Conditions, notice
 
     line = planned_line(plan, stats)
     if line is not None:
         click.echo(line)
+    if stats.get("conditions"):
+        said = notice(
+            (plan.get("model") or {}).get("planned"), Conditions.from_json(stats["conditions"])
+        )
+        if said:
+            click.echo(f"warning: {said}")
 
 
 def _memory_rows(build: Build, sim: SimResult, stats: dict | None) -> list[dict]:

@@ -103,6 +103,19 @@ def _csv(text: str, what: str, kind: type = str) -> list:
     help="CPU threads while profiling (one rank's share).",
 )
 @click.option("--device", default=None, help=DEVICE_HELP)
+@click.option(
+    "--calibration-run/--no-calibration-run",
+    default=True,
+    show_default=True,
+    help="Time the ops in short runs of 1F1B, ZB-H1 and the leading rows on the target ranks.",
+)
+@click.option(
+    "--calibrate",
+    "runs_done",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Fold in the finished run of a plan's BUILD (its measured/); no calibration run.",
+)
 @click.option("--top", type=int, default=10, show_default=True, help="Rows printed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 @click.option(
@@ -131,6 +144,8 @@ def plan_cmd(
     strategies: str,
     mbs: str,
     threads: int | None,
+    calibration_run: bool,
+    runs_done: tuple[Path, ...],
     top: int,
     as_json: bool,
     out: Path | None,
@@ -178,10 +193,68 @@ def plan_cmd(
             peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
             device=opts["device"],
         )
+    plan = _calibrated(model, plan, runs_done, out, calibration_run, threads)
     if out is None and not as_json and save_profile is None:
         click.echo(render_text(plan, top))
         return
     _plan_builds(model, plan, out, pick or 1, force, save_profile, as_json, top)
+
+
+def _calibrated(
+    spec: str,
+    plan: Plan,
+    runs_done: tuple[Path, ...],
+    out: Path | None,
+    calibration_run: bool,
+    threads: int | None,
+) -> Plan:
+    """`plan` calibrated from the runs given (`--calibrate`), a finished run of the build
+    `--out` replaces, and, unless runs were given or it is turned off, a calibration run on
+    this machine (pipec/plan/calibration.py); `plan` itself when there is nothing to fold."""
+    import os
+
+    from pipec.build_dir import MEASURED
+    from pipec.plan.conditions import current
+    from pipec.plan.driver import calibrate
+    from pipec.plan.observe import observe, read_run, run_conditions
+
+    req = plan.request
+    ranks = req.p * req.dp
+    threads = threads or max(1, (os.cpu_count() or 1) // ranks)
+    target = current(threads, ranks, req.precision, plan.profile.device)
+    observed, conditions = [], None
+    replaced = out is not None and (out / MEASURED / "stats.json").is_file()
+    paths = [*runs_done, *([out] if replaced and out not in runs_done else [])]
+    for path in paths:
+        given = path in runs_done
+        try:
+            build, stats = read_run(path)
+            observed.append(observe(plan.profile, build, stats, f"{path} (a run)"))
+        except PipecError as e:
+            if given:
+                raise
+            _say(f"not folding in the run in {path}: {e}")
+            continue
+        if not given:
+            _say(f"folding in the run in {path}, the build --out replaces")
+        ran = run_conditions(stats)
+        if ran is not None and (changed := target.differences(ran)):
+            _say(f"warning: the run in {path} differs from the plan's ({', '.join(changed)})")
+        conditions = conditions or ran
+    if calibration_run and not runs_done:
+        if plan.profile.device != "cpu":
+            _say("no calibration run on cuda: fold in a run with --calibrate BUILD")
+        else:
+            from pipec.plan.calibrate_run import calibrate_by_running
+
+            return calibrate_by_running(spec, plan, threads, observed)
+    if not observed:
+        return plan
+    return calibrate(plan, observed, None, conditions or target)
+
+
+def _say(line: str) -> None:
+    click.echo(f"pipec plan: {line}", err=True)
 
 
 def _plan_builds(
@@ -201,7 +274,9 @@ def _plan_builds(
     from pipec.plan.saved import SavedProfile, save
 
     req = plan.request
-    saved = save(SavedProfile(plan.profile, req.comm_s, req.machine), save_profile, out)
+    raw = plan.raw or plan.profile
+    priced = SavedProfile(raw, req.comm_s, req.machine, req.instr_s, plan.calibration)
+    saved = save(priced, save_profile, out)
     if not as_json:
         click.echo(render_text(plan, top, (1, pick) if out is not None else (1,)))
         click.echo(f"profile saved to {saved} (pipec compile --plan-profile builds from it)")

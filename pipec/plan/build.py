@@ -24,7 +24,7 @@ from pipec.ir import PipecError
 from pipec.model import MS_PER_S, model_plan
 from pipec.passes.costs import CostModel
 from pipec.passes.topology import Link
-from pipec.plan.candidates import CompileRequest, Evaluated, evaluate_one
+from pipec.plan.candidates import CompileRequest, Evaluated, at_size, evaluate_one
 from pipec.plan.saved import SavedProfile
 
 COST_SOURCE = "pipec plan profile"
@@ -44,6 +44,7 @@ def in_ms(costs: CostModel) -> CostModel:
         W=tuple(x * MS_PER_S for x in costs.W),
         comm=costs.comm * MS_PER_S,
         allreduce=costs.allreduce * MS_PER_S,
+        instr_overhead=costs.instr_overhead * MS_PER_S,
         topology=None
         if topo is None
         else replace(topo, intra=link(topo.intra), inter=link(topo.inter)),
@@ -51,11 +52,16 @@ def in_ms(costs: CostModel) -> CostModel:
 
 
 def compile_candidate(
-    ev: Evaluated, spec: str, dp: int = 1, profile_digest: str | None = None
+    ev: Evaluated,
+    spec: str,
+    dp: int = 1,
+    profile_digest: str | None = None,
+    saved: SavedProfile | None = None,
 ) -> CompileResult:
     """Compile `ev` for the model of `spec`, its factory asked for micro-batches of `ev.mbs`
     (`dp` data-parallel copies add each stage's gradient all-reduce, which the plan does not
-    price; `profile_digest` names the saved profile, recorded beside the prediction)."""
+    price; `profile_digest` names the saved profile, recorded beside the prediction with the
+    conditions its times were measured under and its expected error, from `saved`)."""
     job = ev.request
     partition = ",".join(map(str, ev.chunks.counts))
     model = model_plan(spec, ev.layout, partition, profile=False, micro_batch_size=ev.mbs)
@@ -68,6 +74,12 @@ def compile_candidate(
         "peak_bytes": ev.peak_bytes,
         "profile": profile_digest,
     }
+    if saved is not None:
+        conditions = saved.conditions
+        model["planned"] |= {
+            "conditions": None if conditions is None else conditions.to_json(),
+            "expected_error": None if saved.calibration is None else saved.calibration.error,
+        }
     return compile_schedule(
         job.schedule,
         job.p,
@@ -93,8 +105,16 @@ def compile_planned(
             f"({saved.machine.nodes} node(s) x {saved.machine.gpus_per_node}); compile with "
             f"--pp {saved.machine.world}, or plan again for {job.p}"
         )
-    ev = evaluate_one(saved.profile, job, mbs, saved.comm_s, saved.machine)
-    return compile_candidate(ev, spec, dp, saved.digest)
+    return compile_candidate(planned_row(saved, job, mbs), spec, dp, saved.digest, saved)
+
+
+def planned_row(saved: SavedProfile, job: CompileRequest, mbs: int) -> Evaluated:
+    """`job` at `mbs` priced as the plan that saved `saved` priced its row: from the
+    calibrated profile, with the runtime's cost per instruction at `mbs` and the schedule's
+    correction."""
+    instr_s = at_size(saved.instr_s, mbs)
+    ev = evaluate_one(saved.priced, job, mbs, saved.comm_s, saved.machine, instr_s)
+    return ev if saved.calibration is None else saved.calibration.corrected(ev)
 
 
 def command_line(
@@ -139,8 +159,10 @@ def planned_line(plan: dict, stats: dict) -> str | None:
         return None
     predicted = planned["iteration_s"] * MS_PER_S
     measured = stats["measured"]["iteration_ms"]
+    error = planned.get("expected_error")
+    expected = "uncalibrated" if error is None else f"the plan expected within {error:.1%}"
     return (
         f"plan ({planned['schedule']} {planned['strategy']}, mbs {planned['mbs']}): iteration "
         f"{predicted:.2f} ms predicted vs {measured:.2f} ms measured "
-        f"(x{measured / predicted:.2f})"
+        f"(x{measured / predicted:.2f}; {expected})"
     )

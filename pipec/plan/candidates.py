@@ -9,6 +9,7 @@ on its name.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -70,6 +71,9 @@ class PlanRequest:
     fp32 gradients, masters and optimizer state)."""
     zero: bool = False
     """`launch.py --zero 1`: masters and optimizer state sharded over the dp copies."""
+    instr_s: tuple[tuple[int, float], ...] = ()
+    """The runtime's own seconds per instruction, by micro-batch size (a calibration measures
+    them, `at_size` reads them; empty: not counted)."""
 
     @property
     def shards(self) -> int:
@@ -112,6 +116,14 @@ STRATEGIES: dict[str, tuple[str, Transform]] = {
     "recompute": ("full recomputation: stash stage inputs, re-run F before B", _recompute),
     "evict": ("BPipe: evict stashes to a paired rank within the budget", _evict),
 }
+
+
+def at_size(table: Sequence[tuple[int, float]], mbs: int, default: float = 0.0) -> float:
+    """The value of `table` ((size, value) pairs) at micro-batch size `mbs`: at the nearest
+    size it holds (by ratio; the smaller on a tie), `default` when empty."""
+    if not table:
+        return default
+    return min((abs(math.log2(n / mbs)), n, value) for n, value in table)[2]
 
 
 def schedule_names(requested: Sequence[str] | None) -> list[str]:
@@ -190,15 +202,22 @@ class Evaluation:
 
 
 def cost_model(
-    chunks: Chunks, layout: Layout, comm_s: float = 0.0, machine: Topology | None = None
+    chunks: Chunks,
+    layout: Layout,
+    comm_s: float = 0.0,
+    machine: Topology | None = None,
+    instr_s: float = 0.0,
 ) -> CostModel:
     """Per-chunk F/B/W in seconds and stash bytes; memory in stashes, recompute keeping the
-    largest share of its stash any chunk's input takes (conservative where chunks differ).
+    largest share of its stash any chunk's input takes (conservative where chunks differ);
+    `instr_s`, the runtime's seconds per instruction.
 
     The simulator sizes a transfer in stash units (a rank's full share of the model); the
     heaviest chunk prices the unit in bytes, so the machine's bytes-per-second links become
     stash units per second and a message or an evicted stash crosses a link in about its
-    byte size over the link's bandwidth, plus the latency.
+    byte size over the link's bandwidth, plus the latency. The all-reduce of two replicas'
+    gradients (Chimera, BitPipe, DualPipe) is priced as a ring of two ranks moves them: two
+    latencies and the heaviest chunk's gradient bytes over the link (0 when transfers are).
     """
     keep = max(i / s for i, s in zip(chunks.input_bytes, chunks.stash_bytes))
     topology = None
@@ -209,6 +228,12 @@ def cost_model(
             return Link(k.bandwidth / unit, k.latency)
 
         topology = replace(machine, intra=link(machine.intra), inter=link(machine.inter))
+    if machine is None:
+        pair = Link(float("inf"), comm_s)
+    else:  # a replica's rank may be on another node: the slower link, to be safe
+        pair = machine.inter if machine.nodes > 1 else machine.intra
+    grads = max(chunks.param_bytes, default=0)
+    allreduce = 2 * pair.latency + grads / pair.bandwidth if layout.replica else 0.0
     return CostModel(
         F=tuple(c.F for c in chunks.seconds),
         B=tuple(c.B for c in chunks.seconds),
@@ -218,17 +243,20 @@ def cost_model(
         stash_bytes=tuple(float(b) for b in chunks.stash_bytes),
         topology=topology,
         per="chunk",  # measured per chunk: not divided again
+        instr_overhead=instr_s,
+        allreduce=allreduce,
     )
 
 
 def iteration_time(sim: SimResult, layout: Layout, chunks: Chunks) -> float:
     """The makespan, or later where a rank's optimizer step (measured per chunk; the runtime
-    runs it after the rank's last op) ends after it: an iteration ends when the slowest rank
-    has stepped."""
+    runs it after the rank's last op and its replica all-reduces) ends after it: an iteration
+    ends when the slowest rank has stepped."""
     if not chunks.optimizer_s:
         return sim.makespan
     steps = [
         (slots[-1].end if slots else 0.0)
+        + sim.ranks[r].sync
         + sum(chunks.optimizer_s[c] for c in held_chunks(layout, r))
         for r, slots in enumerate(sim.timeline)
     ]
@@ -243,6 +271,7 @@ def price(
     comm_s: float = 0.0,
     machine: Topology | None = None,
     precision: str = "fp32",
+    instr_s: float = 0.0,
 ) -> tuple[Layout, Chunks, CostModel]:
     """Family `name`'s layout for `req`, its chunks at `mbs` (at `precision`) and their cost
     model: a family whose programs have no W runs BW, priced by the one-pass backward."""
@@ -253,7 +282,7 @@ def price(
         chunks = chunks.at_bf16()
     if not any(i.op is Op.W for order in sched.orders for i in order):
         chunks = chunks.fused()
-    return layout, chunks, cost_model(chunks, layout, comm_s, machine)
+    return layout, chunks, cost_model(chunks, layout, comm_s, machine, instr_s)
 
 
 def _compile(job: CompileRequest, costs: CostModel) -> CompileResult:
@@ -316,7 +345,14 @@ def evaluate(profile: ModelProfile, req: PlanRequest) -> Evaluation:
             plain = CompileRequest(name, p, m, v)
             try:
                 layout, chunks, costs = price(
-                    profile, name, Request(p, m, v), mbs, req.comm_s, req.machine, req.precision
+                    profile,
+                    name,
+                    Request(p, m, v),
+                    mbs,
+                    req.comm_s,
+                    req.machine,
+                    req.precision,
+                    at_size(req.instr_s, mbs),
                 )
                 # The family's own programs: the plain row, and what the budget's limit is
                 # derived from (what eviction cannot move).
@@ -359,13 +395,15 @@ def evaluate_one(
     mbs: int,
     comm_s: float = 0.0,
     machine: Topology | None = None,
+    instr_s: float = 0.0,
 ) -> Evaluated:
     """The candidate `job` at `mbs`, priced, compiled and simulated as `evaluate` does it: for
     a job `evaluate` ranked, this is that row (`pipec compile --plan-profile` rebuilds it)."""
     name = job.schedule
     if is_recompute_variant(name):
         name = name.removesuffix(RECOMPUTE_SUFFIX)
-    _, chunks, costs = price(profile, name, Request(job.p, job.m, job.v), mbs, comm_s, machine)
+    request = Request(job.p, job.m, job.v)
+    _, chunks, costs = price(profile, name, request, mbs, comm_s, machine, instr_s=instr_s)
     result = _compile(job, costs)
     samples = predicted(result, chunks, profile.device)
     return _evaluated(name, strategy_of(job), mbs, job, result, chunks, costs, samples)

@@ -7,11 +7,12 @@ already at hand (tests inject synthetic MFU curves through it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipec.codegen.render import format_bytes
 from pipec.ir import PipecError
 from pipec.passes.topology import Topology, make_topology
+from pipec.plan.calibration import Calibration, Observed, fold
 from pipec.plan.candidates import (
     BASELINE,
     Evaluated,
@@ -21,7 +22,9 @@ from pipec.plan.candidates import (
     schedule_names,
     strategy_names,
 )
+from pipec.plan.conditions import Conditions
 from pipec.plan.facts import ModelProfile
+from pipec.plan.ranking import ranked
 
 LINK_EXAMPLE = "--link intra=450e9:5e-6,inter=50e9:1e-5"
 
@@ -44,13 +47,24 @@ def machine(
 
 @dataclass(frozen=True)
 class Plan:
-    """A finished plan: the request, the profile, every candidate, and the 1F1B baseline
-    (plain 1F1B at the largest micro-batch size that fits; None when none does)."""
+    """A finished plan: the request, the profile it priced with, every candidate (those that
+    fit in the order the report lists them, ties simplest first: pipec/plan/ranking.py), the
+    1F1B baseline (plain 1F1B at the largest micro-batch size that fits; None when none
+    does), each fitting row's place, and the calibration when the plan has one (its
+    `profile` then the block profile scaled by it, `raw` the block profile)."""
 
     request: PlanRequest
     profile: ModelProfile
     evaluation: Evaluation
     baseline: Evaluated | None
+    places: tuple[int, ...] = ()
+    calibration: Calibration | None = None
+    raw: ModelProfile | None = None
+
+    @property
+    def error(self) -> float | None:
+        """The expected relative error of a predicted time (None: uncalibrated, not known)."""
+        return None if self.calibration is None else self.calibration.error
 
 
 def check(req: PlanRequest, mbs: Sequence[int] | None = None) -> list[int]:
@@ -84,10 +98,19 @@ def check(req: PlanRequest, mbs: Sequence[int] | None = None) -> list[int]:
     return sizes
 
 
-def plan_profile(profile: ModelProfile, req: PlanRequest) -> Plan:
-    """Evaluate every candidate on `profile`; PipecError when none fits the budget."""
+def plan_profile(
+    profile: ModelProfile,
+    req: PlanRequest,
+    calibration: Calibration | None = None,
+    raw: ModelProfile | None = None,
+) -> Plan:
+    """Evaluate every candidate on `profile` (the block profile `raw` scaled by `calibration`
+    when given); PipecError when none fits the budget."""
     check(req, profile.sizes)
     ev = evaluate(profile, req)
+    if calibration is not None:  # each schedule that ran, corrected by its runs
+        fix = calibration.corrected
+        ev = replace(ev, fits=[fix(e) for e in ev.fits], over=[fix(e) for e in ev.over])
     if not ev.fits:
         if not ev.over:
             why = ev.skipped[0].reason if ev.skipped else "no candidate"
@@ -100,7 +123,9 @@ def plan_profile(profile: ModelProfile, req: PlanRequest) -> Plan:
         )
     plain_1f1b = [e for e in ev.fits if e.family == BASELINE and e.strategy == "plain"]
     baseline = max(plain_1f1b, key=lambda e: e.mbs, default=None)
-    return Plan(req, profile, ev, baseline)
+    fits, places = ranked(ev.fits, None if calibration is None else calibration.error)
+    ev = replace(ev, fits=fits)
+    return Plan(req, profile, ev, baseline, tuple(places), calibration, raw)
 
 
 def plan_model(
@@ -133,3 +158,17 @@ def plan_model(
         p=req.p,
     )
     return plan_profile(profile, req)
+
+
+def calibrate(
+    plan: Plan,
+    observed: Sequence[Observed],
+    link: tuple[float, float] | None = None,
+    conditions: Conditions | None = None,
+) -> Plan:
+    """`plan` (uncalibrated, its profile the block profile) priced again from the runs in
+    `observed` (pipec/plan/calibration.py: `fold`), its ties marked by the error they leave."""
+    raw = plan.raw or plan.profile
+    req = replace(plan.request, instr_s=())
+    calibration, profile, priced = fold(raw, observed, req, link, conditions)
+    return plan_profile(profile, priced, calibration, raw)

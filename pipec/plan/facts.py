@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import Any
 
 from pipec.ir import PipecError
+from pipec.plan.conditions import Conditions
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,8 @@ class ModelProfile:
     device: str = "cpu"
     """The device type profiled ("cpu" or "cuda"): the one the plan's memory is predicted for
     (its meter, its backend's receive policy)."""
+    conditions: Conditions | None = None
+    """What the sweep ran under (one process, timed alone; None: not recorded)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -168,8 +171,9 @@ class ModelProfile:
             for b in d["blocks"]
         )
         points = tuple(point(p) for p in d["points"])
-        scalars = {k: v for k, v in d.items() if k not in ("blocks", "points")}
-        return ModelProfile(blocks=blocks, points=points, **scalars)
+        scalars = {k: v for k, v in d.items() if k not in ("blocks", "points", "conditions")}
+        conditions = Conditions.from_json(d["conditions"]) if d.get("conditions") else None
+        return ModelProfile(blocks=blocks, points=points, conditions=conditions, **scalars)
 
     @cached_property
     def flops_per_sample(self) -> float:

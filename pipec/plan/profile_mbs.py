@@ -9,7 +9,7 @@ fresh ones would: nothing is cached.
 
 Each size captures the blocks anew (torch.export specializes a graph to the example's sizes),
 times F, B and W of every block with the runtime's B/W split (the frontend's profiler) in
-`runs` rounds and keeps each op's fastest, measures each block's stash and the bytes of its
+`runs` rounds and keeps each op's median, measures each block's stash and the bytes of its
 boundary (any number of values), and on CPU what a micro-batch holds beside its stash
 (autograd's host records, what B leaves for W: the terms the CPU meter sees; measured at the
 first size, `_extras_of`). It stops early when the next size would not fit in the time budget
@@ -20,6 +20,7 @@ or in the device's free memory (or runs out of it). MFU needs the device's peak:
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -41,9 +42,12 @@ from pipec.frontend.blocks import find_blocks
 from pipec.frontend.profile import ProgressBar, _now, on_device, profile_stages
 from pipec.frontend.spec import takes_micro_batch_size
 from pipec.ir import PipecError
+from pipec.plan.conditions import current
 from pipec.plan.facts import FBW, BlockFacts, MbsPoint, ModelProfile
 from pipec.runtime.direct import direct_calls
 
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+"""How the conditions name the model's dtype."""
 MEMORY_HEADROOM = 0.5
 """Profile a size only while its activations take at most this share of free memory."""
 EXTRAS_HELD = 8
@@ -139,6 +143,7 @@ def profile_model(
         raise PipecError(f"{spec} builds its model on the meta device; plan needs a runnable one")
     host = device.type == "cpu"  # the CPU meter counts autograd's host records and W's hold
     example = ms.example_inputs[0].shape[0]
+    load = os.getloadavg()[0]  # before the sweep loads the machine itself
     t0 = time.perf_counter()
     first = at_size(spec, ms, sized, sizes[0], n_blocks)
     capture_dt = time.perf_counter() - t0
@@ -187,6 +192,8 @@ def profile_model(
             bar.advance()
     if not points:
         raise PipecError(f"could not profile {spec} even at micro-batch size {sizes[0]}: {stopped}")
+    dtype = next((p.dtype for p in ms.model.parameters() if p.is_floating_point()), None)
+    conditions = current(torch.get_num_threads(), 1, DTYPES.get(dtype, str(dtype)), device.type)
     return ModelProfile(
         name=spec,
         blocks=block_facts,
@@ -197,11 +204,12 @@ def profile_model(
         stopped=stopped,
         factory_sized=sized,
         device=device.type,
+        conditions=replace(conditions, load=load),
     )
 
 
 def _measure(sized: Sized, mbs: int, runs: int, extras: bool) -> tuple[MbsPoint, float]:
-    """One size: every block's boundary input, stash bytes and fastest F/B/W seconds on the
+    """One size: every block's boundary input, stash bytes and median F/B/W seconds on the
     example micro-batch of `sized` (`mbs` samples); with `extras` (a CPU profile), what each
     block's micro-batch holds beyond its stash (`module_extras`: autograd's host records, and
     the tensors B leaves for W). Also the seconds it took less the extras', measured once: the
@@ -226,8 +234,8 @@ def _measure(sized: Sized, mbs: int, runs: int, extras: bool) -> tuple[MbsPoint,
     host, fused_host, w_held = _extras(blocks, boundaries, loss, stash) if extras else ((),) * 3
     t2 = time.perf_counter()
     # Rounds run every block once (the first is a warm-up), so a burst of load from other
-    # processes hits one round of many blocks rather than every run of one; the fastest round
-    # of each op is its cost on a device nobody shares.
+    # processes hits one round of many blocks rather than every run of one; the median round
+    # of each op is its cost as the sweep saw it (a calibration run scales it to a run's).
     rounds = [
         profile_stages(blocks, boundaries, loss, runs=1, warmup=0, progress=False)
         for _ in range(runs + 1)
@@ -236,13 +244,13 @@ def _measure(sized: Sized, mbs: int, runs: int, extras: bool) -> tuple[MbsPoint,
     point = MbsPoint(
         mbs=mbs,
         seconds=tuple(
-            FBW(*(min(getattr(r[k], op) for r in rounds) for op in "FBW"))
+            FBW(*(statistics.median(getattr(r[k], op) for r in rounds) for op in "FBW"))
             for k in range(len(blocks))
         ),
         stash_bytes=stash,
         input_bytes=tuple(sum(t.untyped_storage().nbytes() for t in x) for x in boundaries),
         message_bytes=tuple(message_bytes(x) for x in boundaries),
-        fused_backward=tuple(min(r[k] for r in fused) for k in range(len(blocks))),
+        fused_backward=tuple(statistics.median(r[k] for r in fused) for k in range(len(blocks))),
         host_bytes=host,
         fused_host_bytes=fused_host,
         w_held_bytes=w_held,
@@ -319,7 +327,7 @@ def _fused_backward(
 
 
 def _optimizer_step(block: torch.nn.Module, runs: int) -> float:
-    """Seconds of the runtime's AdamW step over the block's parameters (fastest of `runs`
+    """Seconds of the runtime's AdamW step over the block's parameters (median of `runs`
     after a warm-up), on copies: the block itself is left as it was."""
     params = [p.detach().clone().requires_grad_(True) for p in block.parameters()]
     if not params:
@@ -327,13 +335,13 @@ def _optimizer_step(block: torch.nn.Module, runs: int) -> float:
     for p in params:
         p.grad = torch.ones_like(p)
     opt = torch.optim.AdamW(params, lr=1e-3)
-    best = float("inf")
+    times = []
     for run in range(runs + 1):
         t0 = _now(params[0].device)
         opt.step()
         if run:
-            best = min(best, _now(params[0].device) - t0)
-    return best
+            times.append(_now(params[0].device) - t0)
+    return statistics.median(times)
 
 
 def _activation_bytes(point: MbsPoint) -> int:

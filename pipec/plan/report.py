@@ -5,11 +5,13 @@ MFU(row's mbs) / MFU(baseline's mbs) from the single-device profile (Huang et al
 a larger micro-batch can gain at most from kernel efficiency alone. A memory-saving strategy
 whose bound is near 1 cannot pay, whatever memory it frees. Each row's memory is its highest
 rank's predicted peak; the chosen rows (row 1, and the row `--out` builds) are broken down per
-rank and term.
+rank and term. A calibrated plan states its expected error and marks rows predicted within it
+of each other as ties (`=k`: tied with row k); an uncalibrated one says so.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -17,6 +19,7 @@ from pipec.codegen.render import format_bytes
 from pipec.passes.memory_bytes import TERMS
 from pipec.passes.topology import Link
 from pipec.plan.candidates import Evaluated, PlanRequest
+from pipec.plan.conditions import Conditions
 from pipec.plan.driver import Plan
 
 
@@ -29,14 +32,19 @@ class Row:
     mfu: float
     speedup: float | None
     mfu_bound: float | None
+    place: int = 0
+    """The first row of its tie group (1-based); its own row when not tied."""
+    tied: bool = False
 
 
 def rows(plan: Plan) -> list[Row]:
     """Every fitting candidate, fastest first, with its derived figures."""
     prof, base, req = plan.profile, plan.baseline, plan.request
     world_peak = req.p * req.dp * prof.peak_flops
+    fits = plan.evaluation.fits
+    places = plan.places or tuple(range(1, len(fits) + 1))
     out = []
-    for ev in plan.evaluation.fits:
+    for ev, place in zip(fits, places):
         out.append(
             Row(
                 ev,
@@ -44,6 +52,8 @@ def rows(plan: Plan) -> list[Row]:
                 mfu=req.global_batch * prof.flops_per_sample / ev.iteration_s / world_peak,
                 speedup=base.iteration_s / ev.iteration_s if base else None,
                 mfu_bound=prof.mfu(ev.mbs) / prof.mfu(base.mbs) if base else None,
+                place=place,
+                tied=places.count(place) > 1,
             )
         )
     return out
@@ -63,6 +73,7 @@ def render_text(plan: Plan, top: int = 10, chosen: Sequence[int] = (1,)) -> str:
     """The human-readable report; the rows numbered in `chosen` (1: the best) get their
     predicted peak bytes per rank, by term."""
     prof, req = plan.profile, plan.request
+    table, ties = rows(plan), plan.error is not None
     curve = "  ".join(f"{mbs}: {prof.mfu(mbs):.1%}" for mbs in prof.sizes)
     made = "the factory's" if prof.factory_sized else "the example resized"
     lines = [
@@ -73,21 +84,24 @@ def render_text(plan: Plan, top: int = 10, chosen: Sequence[int] = (1,)) -> str:
         ),
         f"peak {prof.peak_flops / 1e12:.3g} TFLOP/s per device ({prof.peak_source})",
         _machine_line(plan),
-        f"profiled MFU by micro-batch size ({made}): {curve}"
+        f"{'calibrated ' if plan.calibration else ''}MFU by micro-batch size ({made}): {curve}"
         + (f"  [stopped: {prof.stopped}]" if prof.stopped else ""),
+        *calibration_lines(plan),
         "",
         (
-            f"{'#':>3}  {'schedule':<14} {'strategy':<10} {'mbs':>4} {'m':>5}  "
+            f"{'#':>3}  {'tie' if ties else '':<4}{'schedule':<14} {'strategy':<10} {'mbs':>4} "
+            f"{'m':>5}  "
             f"{'iter time':>10}  {'tokens/s':>10}  {'MFU':>6}  {'bubble':>6}  "
             f"{'peak mem/rank':>13}  {'speedup':>7}  {'MFU bound':>9}"
         ),
     ]
-    table = rows(plan)
     for k, row in enumerate(table[:top], 1):
         ev = row.ev
         mark = "*" if ev is plan.baseline else " "
+        tie = (f"={row.place}" if row.tied else "") if ties else None
         lines.append(
-            f"{k:>3}{mark} {ev.schedule:<14} {ev.strategy:<10} {ev.mbs:>4} {ev.m:>5}  "
+            f"{k:>3}{mark} {'' if tie is None else f'{tie:<4}'}{ev.schedule:<14} "
+            f"{ev.strategy:<10} {ev.mbs:>4} {ev.m:>5}  "
             f"{ev.iteration_s:>9.4g}s  {row.tokens_per_s:>10.4g}  {row.mfu:>6.1%}  "
             f"{ev.bubble:>6.1%}  {format_bytes(ev.peak_bytes):>13}  {_x(row.speedup):>7}  "
             f"{_x(row.mfu_bound):>9}"
@@ -98,7 +112,7 @@ def render_text(plan: Plan, top: int = 10, chosen: Sequence[int] = (1,)) -> str:
     for k in sorted(set(chosen)):
         if k <= len(table):
             lines += ["", *_terms_table(k, table[k - 1].ev, plan.profile.device)]
-    lines += ["", _baseline_line(plan), _verdict(table)]
+    lines += ["", _baseline_line(plan), *_tie_line(plan, table), _verdict(table, plan.error)]
     fits, over, skipped = evaluation.fits, evaluation.over, evaluation.skipped
     lines.append(
         f"{len(fits)} candidates fit, {len(over)} over the budget, {len(skipped)} "
@@ -125,7 +139,15 @@ def _terms_table(k: int, ev: Evaluated, device: str) -> list[str]:
 
 
 def _machine_line(plan: Plan) -> str:
-    topo, req = plan.request.machine, plan.request
+    topo, req, cal = plan.request.machine, plan.request, plan.calibration
+    if cal is not None and cal.link is not None and topo is not None:
+        latency, bandwidth = cal.link
+        if topo.nodes == 1 and topo.intra == Link(bandwidth, latency):
+            rate = "" if math.isinf(bandwidth) else f" + bytes at {bandwidth / 1e9:.3g} GB/s"
+            return (
+                f"transfers: {latency * 1e6:.3g} us{rate} each (measured between ranks 0 and 1 "
+                "in the calibration run)"
+            )
     if topo is None:
         return f"transfers: {req.comm_s:g} s each (--comm; --nodes/--link price them by link)"
 
@@ -139,6 +161,67 @@ def _machine_line(plan: Plan) -> str:
     )
 
 
+def calibration_lines(plan: Plan) -> list[str]:
+    """Where the plan's times come from and how far to trust them."""
+    cal = plan.calibration
+    if cal is None:
+        under = plan.profile.conditions
+        alone = f" ({under.text()})" if under else ""
+        said = (
+            f"uncalibrated: each op timed alone{alone}, not as a run executes it; a run is "
+            "usually slower, by an amount that differs between schedules; no ties marked "
+            "(docs/plan.md)"
+        )
+        return [said, *busy(under)]
+    sizes = sorted({n for n, _, _ in cal.factors})
+    by_size = "  ".join(
+        f"{n}: " + " ".join(f"{k} {f:.2f}" for m, k, f in cal.factors if m == n) for n in sizes
+    )
+    sources = ", ".join(source.split(" (")[0] for source, *_ in cal.runs)
+    came = (
+        f"calibrated from {len(cal.runs)} run(s) ({sources}): measured / profiled by mbs "
+        f"{by_size}; optimizer {cal.optimizer:.2f}; us per instruction "
+        + "  ".join(f"{n}: {x * 1e6:.1f}" for n, x in cal.instr_s)
+    )
+    error = (
+        f"expected error {cal.error:.1%}: the model alone missed the runs by up to "
+        f"{cal.model_miss:.1%}, a correction carried to another size by {cal.residual:.1%}; "
+        f"a run's median uncertain by {cal.spread:.1%}; rows within it of each other are ties "
+        "(=k)"
+    )
+    under = [] if cal.conditions is None else [f"measured with {cal.conditions.text()}"]
+    return [came, error, *under, *busy(cal.conditions)]
+
+
+def busy(conditions: Conditions | None) -> list[str]:
+    """A warning when other work loaded the machine while the plan measured it."""
+    if conditions is None or conditions.load <= conditions.cores:
+        return []
+    said = (
+        f"warning: the machine's load ({conditions.load:.1f}) exceeded its {conditions.cores} "
+        "cores while the plan measured: its times describe that load; plan again on a quiet "
+        "machine"
+    )
+    return [said]
+
+
+def _tie_line(plan: Plan, table: list[Row]) -> list[str]:
+    """Whether row 1 is ahead of the rest by more than the expected error."""
+    if plan.error is None or not table:
+        return []
+    error = f"the expected error ({plan.error:.1%})"
+    tied = [k for k, row in enumerate(table, 1) if row.place == 1]
+    if len(tied) == 1:
+        return [f"row 1 is faster than every other row by more than {error}"]
+    first = table[0].ev
+    said = (
+        f"rows 1-{tied[-1]} are tied (each within {error} of the next): the plan does not rank "
+        f"them; row 1, {first.schedule} {first.strategy} at mbs {first.mbs}, is the simplest "
+        "within the error of the fastest"
+    )
+    return [said]
+
+
 def _baseline_line(plan: Plan) -> str:
     base = plan.baseline
     if base is None:
@@ -149,7 +232,7 @@ def _baseline_line(plan: Plan) -> str:
     )
 
 
-def _verdict(table: list[Row]) -> str:
+def _verdict(table: list[Row], error: float | None = None) -> str:
     """Whether saving memory pays: the best memory-saving candidate against the best plain."""
     plain = next((r for r in table if r.ev.strategy == "plain"), None)
     saving = next((r for r in table if r.ev.strategy != "plain"), None)
@@ -159,6 +242,8 @@ def _verdict(table: list[Row]) -> str:
         return "memory saving is needed: no plain schedule fits"
     gain = plain.ev.iteration_s / saving.ev.iteration_s
     verb = "pays" if gain > 1 else "does not pay"
+    if error is not None and max(gain, 1 / gain) <= 1 + error:
+        verb = f"is a tie (within the expected error, {error:.1%})"
     return (
         f"memory saving {verb}: best {saving.ev.strategy} ({saving.ev.schedule}, mbs "
         f"{saving.ev.mbs}) is {gain:.2f}x the best plain ({plain.ev.schedule}, mbs "
@@ -211,6 +296,8 @@ def render_json(plan: Plan, command: Callable[[Evaluated], str] | None = None) -
         ],
         "profile_stopped": prof.stopped,
         "profile_factory_sized": prof.factory_sized,
+        "calibration": None if plan.calibration is None else plan.calibration.to_json(),
+        "expected_error": plan.error,
         "baseline": cand(plan.baseline) if plan.baseline else None,
         "candidates": [
             cand(r.ev)
@@ -219,6 +306,8 @@ def render_json(plan: Plan, command: Callable[[Evaluated], str] | None = None) -
                 "mfu": r.mfu,
                 "speedup": r.speedup,
                 "mfu_bound": r.mfu_bound,
+                "place": r.place,
+                "tied": r.tied,
             }
             for r in rows(plan)
         ],

@@ -17,26 +17,46 @@ from typing import Any
 
 from pipec.ir import PipecError
 from pipec.passes.topology import Topology
+from pipec.plan.calibration import Calibration
+from pipec.plan.conditions import Conditions
 from pipec.plan.facts import ModelProfile
 
-FORMAT = "pipec.plan_profile/2"
-"""/2 added the bytes of each block's boundary and, on CPU, its host bytes and W's hold."""
+FORMAT = "pipec.plan_profile/3"
+"""/2 added the bytes of each block's boundary and, on CPU, its host bytes and W's hold; /3
+the calibration, the runtime's cost per instruction and the conditions measured under."""
 
 
 @dataclass(frozen=True)
 class SavedProfile:
-    """What a plan prices candidates with: the profile, and each transfer's price (`comm_s`
-    seconds, or by link on `machine`, bandwidths in bytes per second)."""
+    """What a plan prices candidates with: the block profile, each transfer's price (`comm_s`
+    seconds, or by link on `machine`, bandwidths in bytes per second), the runtime's seconds
+    per instruction, and the calibration that scales the profile's times (None: none)."""
 
     profile: ModelProfile
     comm_s: float = 0.0
     machine: Topology | None = None
+    instr_s: tuple[tuple[int, float], ...] = ()
+    calibration: Calibration | None = None
+
+    @property
+    def priced(self) -> ModelProfile:
+        """The profile candidates are priced from: the block profile, calibrated if it was."""
+        return self.calibration.apply(self.profile) if self.calibration else self.profile
+
+    @property
+    def conditions(self) -> Conditions | None:
+        """What the plan's times were measured under: the calibration's, else the sweep's."""
+        if self.calibration is not None and self.calibration.conditions is not None:
+            return self.calibration.conditions
+        return self.profile.conditions
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
             "comm_s": self.comm_s,
             "machine": None if self.machine is None else self.machine.to_json(),
+            "instr_s": [list(x) for x in self.instr_s],
+            "calibration": None if self.calibration is None else self.calibration.to_json(),
             "profile": self.profile.to_json(),
         }
 
@@ -83,6 +103,9 @@ def load(path: Path) -> SavedProfile:
         )
     try:
         machine = None if d["machine"] is None else Topology.from_json(d["machine"])
-        return SavedProfile(ModelProfile.from_json(d["profile"]), d["comm_s"], machine)
+        calibration = None if d["calibration"] is None else Calibration.from_json(d["calibration"])
+        profile = ModelProfile.from_json(d["profile"])
+        instr_s = tuple((int(n), float(x)) for n, x in d["instr_s"])
+        return SavedProfile(profile, d["comm_s"], machine, instr_s, calibration)
     except (KeyError, TypeError, ValueError) as e:
         raise PipecError(f"--plan-profile {path}: corrupted ({type(e).__name__}: {e})") from None
