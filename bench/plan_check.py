@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipec.build_dir import MEASURED
-from pipec.plan import calibrate_worker
+from pipec.plan.calibrate_run import WORKER
 from pipec.runtime.torchrun import torchrun
 
 GPT = "examples/gpt.py:tiny"
@@ -105,7 +105,7 @@ def train(p: int, builds: list[Path], rounds: int, steps: int) -> str:
     """Every build in turns, in one torchrun launch of `p` ranks of one thread each."""
     before = os.getloadavg()[0]
     args = ["--threads", "1", "--rounds", str(rounds), "--steps", str(steps)]
-    cmd, env = torchrun(Path(calibrate_worker.__file__), p, *args, *map(str, builds))
+    cmd, env = torchrun(WORKER, p, *args, *map(str, builds))
     env = env | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if done.returncode:

@@ -1,6 +1,7 @@
 """Shared test set-up: `pytest --update-golden` rewrites tests/golden/; Triton interprets on CPU."""
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,17 @@ def _tests_write_only_to_temporary_directories():
     assert not added and not changed, (
         f"tests wrote into the checkout {ROOT}: new {added}, build/ changed {changed[:10]}"
     )
+
+
+@pytest.fixture(autouse=True)
+def _signal_mask_is_left_as_found():
+    """Every process a later test starts inherits the pytest process's blocked signals: a test
+    that leaves SIGTERM blocked (importing a rank's script runs its `take_termination_signals`)
+    makes every SIGTERM test after it fail far from the cause. It fails here instead."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    after = signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    assert after == before, f"the test left signals blocked: {sorted(s.name for s in after)}"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -26,7 +26,6 @@ from pathlib import Path
 from pipec.build_dir import MEASURED, emit, load
 from pipec.ir import Op, PipecError
 from pipec.passes.registry import Request, build_schedule
-from pipec.plan import calibrate_worker
 from pipec.plan.build import compile_candidate
 from pipec.plan.calibration import Observed, key
 from pipec.plan.candidates import BASELINE, CompileRequest, Evaluated, evaluate_one
@@ -35,6 +34,8 @@ from pipec.plan.driver import Plan
 from pipec.plan.observe import merge_turns, observe
 from pipec.runtime.torchrun import torchrun
 
+WORKER = Path(__file__).with_name("calibrate_worker.py")
+"""The script torchrun starts; named, never imported (it blocks SIGTERM in whoever imports it)."""
 SHORTLIST = 10
 """The fastest candidates whose micro-batch sizes are calibrated."""
 ROUNDS, STEPS = 4, 5
@@ -177,7 +178,7 @@ def launch(
 
 def run_worker(ranks: int, threads: int, args: Sequence[str]) -> None:
     """One torchrun launch of the worker on `ranks` ranks of `threads` threads each."""
-    cmd, env = torchrun(Path(calibrate_worker.__file__), ranks, *args)
+    cmd, env = torchrun(WORKER, ranks, *args)
     env = env | {"OMP_NUM_THREADS": str(threads)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode:
