@@ -188,7 +188,7 @@ def report(chosen: list[tuple[str, dict]], measured: list[tuple[list[float], lis
     ]
     order = [number[k] for k in sorted(ranked, key=lambda k: medians[k])]
     print(
-        f"  order (plan rows): predicted {[number[k] for k in ranked]}, measured {order}"
+        f"  order: plan rows predicted {[number[k] for k in ranked]}, measured {order}"
         + (
             f" -> swaps rows the plan ranks apart: {swapped}"
             if swapped

@@ -9,8 +9,9 @@ have, at the run's precision, `ROUNDS` turns of `STEPS` steps each (pipec/plan/c
 ranks 0 and 1 first time a message of the smallest and of the largest boundary between them,
 which gives the link's latency and bandwidth. Each build's measurements become an `Observed`
 (pipec/plan/observe.py). Calibrated, the plan may rank other candidates first: those of its
-`LEADERS` first rows that did not run then run in a second launch, so that the rows the plan
-is most likely to be taken at are priced from their own runs. The run is on the CPU (gloo).
+`LEADERS` first rows that did not run then run in a second launch (taking turns with plain 1F1B
+at their sizes, as in the first), so that the rows the plan is most likely to be taken at are
+priced from their own runs. The run is on the CPU (gloo).
 """
 
 from __future__ import annotations
@@ -117,7 +118,11 @@ def calibrate_by_running(
     ]
     if not missing:
         return calibrated
-    more, _, _ = launch(spec, plan, threads, missing, keep, ping=False)
+    # Plain 1F1B at the same sizes takes turns with them, as in the first launch: a build
+    # trained alone runs faster than one taking turns (docs/plan.md).
+    jobs = calibration_jobs(plan)
+    beside = [job for job in jobs if job[1].schedule == BASELINE and job[0] in dict(missing)]
+    more, _, _ = launch(spec, plan, threads, [*missing, *beside], keep, ping=False)
     return calibrate(plan, [*observed, *more], link, conditions)
 
 
