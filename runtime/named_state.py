@@ -63,9 +63,14 @@ def state_dict(tr: Trainer, modules: list[nn.Module]) -> dict[str, object]:
     for key in _moments(tr):
         states = [tr.inner.state.get(s.master, {}) for s in tr.slices]
         flats[key] = _flat(
-            tr, [st.get(key, torch.zeros_like(s.master)) for s, st in zip(tr.slices, states)]
+            tr,
+            [
+                st[key] if key in st else torch.zeros_like(s.master)
+                for s, st in zip(tr.slices, states)
+            ],
         )
     first = _stepped(tr)
+    step = _host(first["step"]) if "step" in first else None  # one value, every parameter's
     tied = _tied_names(rt.build.plan)
     out: dict[str, object] = {}
     for h in tr.held:
@@ -75,8 +80,8 @@ def state_dict(tr: Trainer, modules: list[nn.Module]) -> dict[str, object]:
         values = {key: flat[at].view(h.param.shape) for key, flat in flats.items()}
         if not h.param.requires_grad:  # frozen: its value, no optimizer state
             values = {"model": values["model"]}
-        elif "step" in first:
-            values["step"] = _host(first["step"])
+        elif step is not None:
+            values["step"] = step
         own = tied.get(h.names[0], h.names[0])
         for name in h.names:
             for key, value in values.items():
