@@ -18,11 +18,16 @@ rank, exit 2). Only then does the rank join the process group; rank 0 takes the 
 and starts a rollback's branch (`claim`: a failure is said by rank 0, every rank exits 2);
 each rank loads the checkpoint and trains to step N, rank 0 printing each step's metrics
 and writing them to OUT/measured/metrics.jsonl (runtime/metrics.py), saving every K steps and
-at the end, evaluating every K' steps (runtime/evaluate.py); last, the measured timeline and
+at the end (written in the background: runtime/saving.py), evaluating every K' steps
+(runtime/evaluate.py); last, the measured timeline and
 figures go to OUT/measured/ and are printed beside the simulation's. A stop signal
 (runtime/faults.py) ends training after the step under way, with a last checkpoint when
 saving. `--check-grads` instead runs one step and compares every stage's gradients with the
 plain model's (runtime/gradcheck.py); exit 1 when one differs.
+
+Restarted by torchrun (`pipec run --max-restarts N`), a rank is of the same run: it resumes
+from the newest intact checkpoint the run wrote into --save and joins its attempt's own
+process group (runtime/restart.py).
 """
 
 from __future__ import annotations
