@@ -218,6 +218,7 @@ def main(
     watchdog = Watchdog(args.timeout, rt.describe)
     code = 0
     metrics: Metrics | None = None
+    save: Saver | None = None
     try:
         options = train_options(args)
         rt.connect(
@@ -232,7 +233,6 @@ def main(
                 config = effective(launch_parser(), args)
                 metrics = open_metrics(rt, args, device, config)
                 print(training_line(args), flush=True)
-            save = None
             if args.save:
                 every, steps, lineage = args.save_every, args.steps, run.lineage
                 save = Saver(rt, args.save, every, steps, lineage, args.timeout)
@@ -264,6 +264,11 @@ def main(
             traceback.print_exc()
         said = (str(e).splitlines() or [""])[0]
         report(f"{watchdog.where()}: {type(e).__name__}: {said}", watchdog.step)
+    if save is not None:  # a write still under way (a non-finite step ended the run)
+        try:
+            save.writer.wait()
+        except PipecError as e:
+            report(f"{watchdog.where()}: {e}", watchdog.step)
     if metrics:
         metrics.close()
     watchdog.stop()
