@@ -55,7 +55,8 @@ class Writer:
         self.group = group
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._done: deque[Path] = deque()
+        self._done: deque[Path] = deque()  # on rank 0, which publishes them
+        self._publishes = not dist.is_initialized() or dist.get_rank() == 0
 
     def submit(self, step: int, state: dict) -> None:
         """Start writing `state` (this rank's part, see checkpoint.state_dict) as step `step`,
@@ -80,8 +81,8 @@ class Writer:
             ) from error
 
     def completed(self) -> list[Path]:
-        """The checkpoints completed since the last call, oldest first (on rank 0, which
-        publishes them)."""
+        """The checkpoints completed since the last call, oldest first (none but on rank 0,
+        which publishes them)."""
         done = []
         while self._done:
             done.append(self._done.popleft())
@@ -90,12 +91,13 @@ class Writer:
     def _write(self, step: int, state: dict) -> None:
         # The lowest CPU priority (on Linux a thread's own): on a machine whose cores the
         # ranks keep busy, the write takes the time they leave idle, not theirs.
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         try:
-            self._done.append(
-                checkpoint.save(self.directory, step, state, self.lineage, self.group)
-            )
+            path = checkpoint.save(self.directory, step, state, self.lineage, self.group)
+            if self._publishes:
+                self._done.append(path)
         except BaseException as e:  # noqa: BLE001 - raised in the training thread by `wait`
             self._error = e
 

@@ -45,8 +45,8 @@ def torchrun(
 ) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that run `script` on `nproc` local ranks, every socket
     on loopback, torchrun ending with this process and restarting the ranks up to
-    `max_restarts` times; a new run id (its rendezvous id too) for every rank of every
-    attempt (runtime/restart.py)."""
+    `max_restarts` times; a new run id (its rendezvous id too), which every rank of every
+    attempt is given (runtime/restart.py)."""
     run = uuid.uuid4().hex[:16]
     restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
     cmd = [
