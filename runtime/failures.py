@@ -108,7 +108,7 @@ class Failure:
         """One line: what failed and where, and what follows (`resumed`: the step a restart
         resumes from, None from the start)."""
         step = self.step()
-        at = f" at step {step}" if step is not None else " before training"
+        at = f" at step {step}" if step is not None else ""  # no rank said where it was
         if self.restart is None:
             then = f"no restart left ({self.max_restarts} used)"
         else:

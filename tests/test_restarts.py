@@ -215,7 +215,7 @@ WAITED = RankEnd(0, 3, ended=True, message="rank 0: F s=0 mb=1 (rank_000.pipe:3)
         (
             (RankEnd(0, 2, ended=True), RankEnd(1, 2, ended=True)),
             None,
-            "rank 0 exited with code 2 before training; no restart left (3 used)",
+            "rank 0 exited with code 2; no restart left (3 used)",
             2,
         ),
     ],
