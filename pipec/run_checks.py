@@ -3,7 +3,8 @@
 The launch options are parsed by launch.py's own parser (runtime/main.py), so every option
 the runtime knows is checked here the same way, in one line; the build must load (a corrupted
 plan.json or program is named), its launch.py and model factory must be the plan's (pipec run
-executes them), `--nproc` must be the build's P·D ranks, no other run may be running the build
+executes them), `--nproc` must be the build's P·D ranks, `--max-restarts` must have checkpoints
+to restart from (`--save`), no other run may be running the build
 or saving into `--save` (pipec/run_lock.py), and a `--save` directory must take a file (a
 probe, written and removed) and hold no checkpoints of another model, build or run
 (pipec/checkpoint_lineage.py) before any rank trains.
@@ -57,9 +58,12 @@ def check_writable(directory: Path, option: str = "--save") -> None:
         ) from None
 
 
-def check_run(build: Path, nproc: int | None, args: Sequence[str]) -> int | None:
-    """Every check `pipec run BUILD [--nproc N] ARGS` makes before starting torchrun; returns
-    the number of ranks to start, or None when only `--help` was asked for."""
+def check_run(
+    build: Path, nproc: int | None, args: Sequence[str], max_restarts: int = 0
+) -> tuple[int, argparse.Namespace] | None:
+    """Every check `pipec run BUILD [--nproc N] [--max-restarts N] ARGS` makes before starting
+    torchrun; returns the number of ranks to start and the launch options, or None when only
+    `--help` was asked for."""
     from pipec.build_dir import check_launch, load
     from pipec.checkpoint_lineage import Lineage, check_save
     from pipec.provenance import check_factory, resolve
@@ -79,6 +83,7 @@ def check_run(build: Path, nproc: int | None, args: Sequence[str]) -> int | None
     options = launch_options(args)
     if options is None:
         return None
+    check_restarts(max_restarts, options)
     if error := zero_error(options, int(loaded.plan.get("dp", 1))):
         raise PipecError(error)
     check_launch(loaded)  # pipec run executes it: it must be the plan's
@@ -92,7 +97,7 @@ def check_run(build: Path, nproc: int | None, args: Sequence[str]) -> int | None
     if saves:
         check_save(options.save, options.resume, Lineage.new(loaded.plan, loaded.plan_hash, None))
     if model_plan is None:
-        return ranks
+        return ranks, options
     if options.eval_every and not options.check_grads and model_plan.get("eval_data") is False:
         raise PipecError(
             f"--eval-every {options.eval_every}: the ModelSpec of {model_plan['spec']} has no "
@@ -101,7 +106,24 @@ def check_run(build: Path, nproc: int | None, args: Sequence[str]) -> int | None
     if options.precision != "fp32" and loaded.plan.get("precision", "fp32") != options.precision:
         spec = resolve(model_plan, options.model, loaded.path)
         check_trains_at(spec, model_plan, options.precision)
-    return ranks
+    return ranks, options
+
+
+def check_restarts(max_restarts: int, options: argparse.Namespace) -> None:
+    """Refuse `--max-restarts N` where a restart could not resume the run: N below 0, no
+    --save (a restarted rank resumes from its newest checkpoint), --check-grads (one step,
+    nothing saved)."""
+    if max_restarts < 0:
+        raise PipecError(f"--max-restarts {max_restarts}: give 0 (no restart) or more")
+    if max_restarts and options.check_grads:
+        raise PipecError(
+            "--max-restarts: --check-grads runs one step and saves nothing; drop --max-restarts"
+        )
+    if max_restarts and options.save is None:
+        raise PipecError(
+            f"--max-restarts {max_restarts}: a restarted run resumes from the newest checkpoint "
+            "of --save DIR; give --save DIR (and --save-every K)"
+        )
 
 
 def check_trains_at(spec: str, model_plan: dict, precision: str) -> None:

@@ -17,6 +17,10 @@ instruction for `STALL_S` (a dead or hung peer: torchrun's failure stop) or has 
 where it was. gloo's own timeout is set to the same bound as the watchdog's
 (`init_process_group(timeout=...)`), so a wait on a dead peer also fails on its own.
 
+The line a rank ends with also goes to torchrun's error file for the rank
+(`TORCHELASTIC_ERROR_FILE`, in torchelastic's own form) with the step the rank was at, so that
+torchrun's agent knows why and where each rank of a failed group ended (runtime/agent.py).
+
 A rank ends with torchrun (`end_with_parent`): killed by the kernel the moment torchrun
 exits, so that torchrun killed with SIGKILL (its parent `pipec run` killed by the OOM killer or
 a CI cancel, runtime/agent.py) leaves no rank training on and saving into `--save`.
@@ -27,6 +31,7 @@ This module must not import torch: launch.py calls `take_termination_signals` fi
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -36,6 +41,8 @@ from collections.abc import Callable
 from typing import Self
 
 EXIT_FAULT = 3
+#: The key of the step in a rank's error file (beside torchelastic's own `message`).
+STEP_KEY = "pipec_step"
 #: The pid of the process that started this one, set by the process that starts it
 #: (`pipec run` for torchrun, pipec's torchrun for its ranks): see `end_with_parent`.
 PARENT_PID = "PIPEC_PARENT_PID"
@@ -67,12 +74,30 @@ def end_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def report(message: str) -> None:
-    """Print one line on stderr and end the process now (no atexit, no hanging destructors)."""
+def report(message: str, step: int | None = None) -> None:
+    """Print one line on stderr, leave it and the `step` under way (None: before the first) in
+    torchrun's error file, and end the process now (no atexit, no hanging destructors)."""
     sys.stdout.flush()
     sys.stderr.write(f"pipec runtime: {message}\n")
     sys.stderr.flush()
+    leave_error_file(message, step)
     os._exit(EXIT_FAULT)
+
+
+def leave_error_file(message: str, step: int | None) -> None:
+    """Write `message` where torchrun reads why a rank failed (`TORCHELASTIC_ERROR_FILE`, which
+    its agent sets for each rank; nothing without it), in the form torchelastic's own error
+    handler writes, plus the step (`STEP_KEY`)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    extra = {"py_callstack": "", "timestamp": str(int(time.time()))}
+    data = {"message": {"message": message, "extraInfo": extra}, STEP_KEY: step}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # the line on stderr is said already; torchrun then reports the exit code
+        pass
 
 
 class Watchdog:
@@ -80,7 +105,8 @@ class Watchdog:
 
     The interpreter sets `current = (k, now)` before instruction k (an attribute, not a call:
     it is the loop's hot path) and calls `leave()` after the program; `describe(k)` turns an
-    index into 'rank 2: RECV_ACT s=2 mb=3 from=1 (...)'.
+    index into 'rank 2: RECV_ACT s=2 mb=3 from=1 (...)'. The training loop sets `step`, the step
+    under way, which a fault's error file records.
     """
 
     def __init__(self, timeout: float, describe: Callable[[int | None], str]) -> None:
@@ -88,6 +114,7 @@ class Watchdog:
         self.describe = describe
         self.current: tuple[int, float] | None = None
         self.last: int | None = None  # the last instruction entered, for faults between steps
+        self.step: int | None = None  # the step under way (None: training has not begun)
         self._stop = threading.Event()
         self.stopping = threading.Event()  # a stop signal came: finish this step, then stop
         self.signal_name = ""
@@ -132,18 +159,24 @@ class Watchdog:
                 time.sleep(poll)
             where, now = self.current, time.perf_counter()
             if where is not None and now - where[1] > self.timeout:
-                report(f"{self.describe(where[0])}: no progress for {self.timeout:g} s")
+                report(f"{self.describe(where[0])}: no progress for {self.timeout:g} s", self.step)
             if not self.stopping.is_set():
                 continue
             if where is not None and now - where[1] > STALL_S:
-                report(f"{self.where()}: stopped by {self.signal_name} (its step cannot finish)")
+                report(
+                    f"{self.where()}: stopped by {self.signal_name} (its step cannot finish)",
+                    self.step,
+                )
             if now - self._signalled_at > GRACE_S:
-                report(f"{self.where()}: stopped by {self.signal_name}, not done in {GRACE_S:g} s")
+                report(
+                    f"{self.where()}: stopped by {self.signal_name}, not done in {GRACE_S:g} s",
+                    self.step,
+                )
 
     def _signalled(self, name: str) -> None:
         """The first stop signal asks for a stop after this step; a second one ends it now."""
         if self.stopping.is_set():
-            report(f"{self.where()}: stopped by a second {name}")
+            report(f"{self.where()}: stopped by a second {name}", self.step)
         self.signal_name = name
         self._signalled_at = time.perf_counter()
         self.stopping.set()

@@ -79,6 +79,7 @@ def train(
         return figures.stopping
 
     for step in range(start, steps):
+        watchdog.step = step + 1  # where a fault says it happened (its error file)
         # Every step starts together: one clock origin for all ranks.
         step_barrier(f"before step {step + 1}", watchdog.timeout)
         if pending and finish_step():

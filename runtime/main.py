@@ -18,11 +18,16 @@ rank, exit 2). Only then does the rank join the process group; rank 0 takes the 
 and starts a rollback's branch (`claim`: a failure is said by rank 0, every rank exits 2);
 each rank loads the checkpoint and trains to step N, rank 0 printing each step's metrics
 and writing them to OUT/measured/metrics.jsonl (runtime/metrics.py), saving every K steps and
-at the end, evaluating every K' steps (runtime/evaluate.py); last, the measured timeline and
+at the end (written in the background: runtime/saving.py), evaluating every K' steps
+(runtime/evaluate.py); last, the measured timeline and
 figures go to OUT/measured/ and are printed beside the simulation's. A stop signal
 (runtime/faults.py) ends training after the step under way, with a last checkpoint when
 saving. `--check-grads` instead runs one step and compares every stage's gradients with the
 plain model's (runtime/gradcheck.py); exit 1 when one differs.
+
+Restarted by torchrun (`pipec run --max-restarts N`), a rank is of the same run: it resumes
+from the newest intact checkpoint the run wrote into --save and joins its attempt's own
+process group (runtime/restart.py).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import argparse
 import os
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,6 +61,7 @@ from pipec.runtime.evaluate import evaluator
 from pipec.runtime.faults import Watchdog, end_with_parent, report
 from pipec.runtime.gather import all_gather_objects
 from pipec.runtime.gradcheck import DropoutOff, GradCapture, compare, reference_grads
+from pipec.runtime.inject import inject
 from pipec.runtime.interpreter import HANDLERS, Handler, check_program
 from pipec.runtime.loop import train, warmup_kept, write_measurements
 from pipec.runtime.metrics import Metrics, open_metrics
@@ -63,6 +69,8 @@ from pipec.runtime.offload import size_moves
 from pipec.runtime.optim import NonFinite, Trainer
 from pipec.runtime.options import changed, effective, launch_parser, parse_launch
 from pipec.runtime.rank import Rank, check_runnable
+from pipec.runtime.restart import attempt, join, resume_from, run_id
+from pipec.runtime.saving import Saver, stopped
 from pipec.runtime.train_options import (
     train_options,
     zero_error,
@@ -144,8 +152,10 @@ def preflight(
             "eval_data (batches in the form of data) or drop --eval-every"
         )
     resume, start = None, 0
-    if args.resume:
-        resume, skipped = checkpoint.newest_intact(args.resume)
+    run = run_id()
+    given = resume_from(args.save, args.resume, run) if attempt() else args.resume
+    if given:
+        resume, skipped = checkpoint.newest_intact(given)
         if say:
             for line in skipped:
                 print(f"pipec runtime: notice: {line}", file=sys.stderr, flush=True)
@@ -156,10 +166,10 @@ def preflight(
                 f"{resume} is at step {start} and --steps is {args.steps}: nothing to train; "
                 "--steps counts from the first step, raise it"
             )
-    lineage = Lineage.new(build.plan, build.plan_hash, resume)
+    lineage = Lineage.new(build.plan, build.plan_hash, resume, run)
     if not args.save or args.check_grads:  # --check-grads saves nothing
         return Run(build, spec, resume, start, lineage)
-    check_save(args.save, args.resume, lineage)
+    check_save(args.save, given, lineage)
     later = later_than(args.save, resume) if resume else []
     return Run(build, spec, resume, start, lineage, Path(args.save), tuple(later))
 
@@ -175,6 +185,7 @@ def main(
     if "TORCHELASTIC_RUN_ID" in env:  # started by torchrun: no rank trains on once it is gone
         end_with_parent()
     grank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    handlers = inject(handlers, grank, attempt())  # PIPEC_FAULT: tests only
     local_rank = int(env.get("LOCAL_RANK", 0))
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
     cuda = torch.cuda.is_available() and not args.share_gpu
@@ -205,13 +216,14 @@ def main(
         here = current(torch.get_num_threads(), world, args.precision, device.type)
         if said := notice(run.build.plan["model"].get("planned"), here):
             print(f"pipec runtime: notice: {said}", file=sys.stderr, flush=True)
-    dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
+    join(args.backend, timedelta(seconds=args.timeout))
     claim(run, grank, device)
     if grank == 0 and run.resume:
         print(f"resuming from {run.resume} (step {run.start})", flush=True)
     watchdog = Watchdog(args.timeout, rt.describe)
     code = 0
     metrics: Metrics | None = None
+    save: Saver | None = None
     try:
         options = train_options(args)
         rt.connect(
@@ -222,14 +234,13 @@ def main(
         if args.check_grads:
             code = int(check_grads(rt, run, handlers, watchdog, args.seed))
         else:
-            saved: dict[int, Path] = {}
             if grank == 0:
                 config = effective(launch_parser(), args)
                 metrics = open_metrics(rt, args, device, config)
                 print(training_line(args), flush=True)
-            save = None
             if args.save:
-                save = saver(rt, args.save, args.save_every, args.steps, saved, run.lineage)
+                every, steps, lineage = args.save_every, args.steps, run.lineage
+                save = Saver(rt, args.save, every, steps, lineage, args.timeout)
             evaluation = evaluator(rt, args.eval_every, args.eval_steps, watchdog, metrics)
             after = [hook for hook in (save, evaluation) if hook]
             traces = train(
@@ -239,11 +250,11 @@ def main(
                 watchdog,
                 start=run.start,
                 after_step=lambda step: [hook(step) for hook in after],
-                report=metrics and (lambda fig: metrics.log(fig, saved.get(fig.step))),
+                report=metrics and (lambda fig: metrics.log(fig, save and save.writer.completed())),
             )
             done = max(rt.step, run.start)
             if done < args.steps:  # stopped by a signal: keep what was trained
-                stopped(rt.grank, watchdog.signal_name, run.start, done, args.steps, save, saved)
+                stopped(rt.grank, watchdog.signal_name, run.start, done, args.steps, save)
             else:
                 skip = warmup_kept(args.skip, done - run.start, len(traces))
                 write_measurements(rt, traces, skip)
@@ -256,7 +267,13 @@ def main(
     except Exception as e:  # noqa: BLE001 - any failure: say where this rank was, then exit
         if os.environ.get("PIPEC_TRACEBACK"):  # for a bug report: where inside pipec it failed
             traceback.print_exc()
-        report(f"{watchdog.where()}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+        said = (str(e).splitlines() or [""])[0]
+        report(f"{watchdog.where()}: {type(e).__name__}: {said}", watchdog.step)
+    if save is not None:  # a write still under way (a non-finite step ended the run)
+        try:
+            save.writer.wait()
+        except PipecError as e:
+            report(f"{watchdog.where()}: {e}", watchdog.step)
     if metrics:
         metrics.close()
     watchdog.stop()
@@ -324,54 +341,6 @@ def branch(run: Run) -> None:
         file=sys.stderr,
         flush=True,
     )
-
-
-def saver(
-    rt: Rank,
-    directory: Path,
-    every: int,
-    last: int,
-    saved: dict[int, Path],
-    lineage: Lineage | None = None,
-) -> Callable[[int], None]:
-    """After step k: a checkpoint in `directory` when k is a multiple of `every` (0: never), is
-    the `last` step, or is `force`d (a stop); its path goes into `saved`, for the log line.
-    `lineage`: the run's, which its checkpoints record (pipec/checkpoint_lineage.py).
-
-    One copy of each stage is written: the first pipeline's stages (bidirectional schedules
-    hold a replica of each in the second) of the first data-parallel copy."""
-    first = set(rt.layout.pipelines[0].stages)
-    mine = [m for s, m in rt.modules.items() if s in first] if rt.dp_index == 0 else []
-
-    def save(step: int, force: bool = False) -> None:
-        if force or step == last or (every and step % every == 0):
-            state = named_state.state_dict(rt.optimizer, mine)  # every ZeRO copy gathers
-            saved[step] = checkpoint.save(directory, step, state, lineage)
-
-    return save
-
-
-def stopped(
-    grank: int,
-    signal_name: str,
-    start: int,
-    done: int,
-    steps: int,
-    save: Callable[..., None] | None,
-    saved: dict[int, Path],
-) -> None:
-    """After a stop signal: a last checkpoint of the `done` steps (unless step `done` was just
-    saved, or the run trained nothing since step `start`), and rank 0's line saying where the
-    run stopped."""
-    if save is not None and done not in saved and done > start:
-        save(done, force=True)
-    if grank == 0:
-        kept = f"; checkpoint {saved[done]}" if done in saved else ""
-        print(
-            f"pipec runtime: stopped by {signal_name} after step {done} of {steps}{kept}",
-            file=sys.stderr,
-            flush=True,
-        )
 
 
 def check_grads(

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from pipec.build_dir import MEASURED
 from pipec.ir import Op, Program
 from pipec.runtime.optim import PendingStep
+from pipec.runtime.restart import attempt
 
 if TYPE_CHECKING:
     from pipec.build_dir import Build
@@ -158,8 +159,9 @@ class StepFigures:
 
 
 class Metrics:
-    """Rank 0's log: a line per step on stdout, a JSON object per step in `path`, and scalars
-    to `board` (a SummaryWriter) when given. `eval` results join the record of their step."""
+    """Rank 0's log: a line per step on stdout, a JSON object per step in `path` (after the
+    lines there with `append`), and scalars to `board` (a SummaryWriter) when given. `eval`
+    results join the record of their step."""
 
     def __init__(
         self,
@@ -169,6 +171,7 @@ class Metrics:
         peak: float | None,
         path: Path,
         board: object | None = None,
+        append: bool = False,
     ) -> None:
         c, layout = build.compiled, build.compiled.layout
         dp = int(build.plan.get("dp", 1))
@@ -178,7 +181,7 @@ class Metrics:
         self.per_step = per_mb * c.m * dp
         self.steps, self.peak, self.board = steps, peak, board
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file: IO[str] = path.open("w")
+        self.file: IO[str] = path.open("a" if append else "w")
         self.evals: dict[int, tuple[float, int]] = {}
 
     def record(self, fig: StepFigures) -> dict:
@@ -205,7 +208,8 @@ class Metrics:
             out["eval_loss"], out["eval_batches"] = self.evals.pop(fig.step)
         return out
 
-    def log(self, fig: StepFigures, saved: Path | None = None) -> None:
+    def log(self, fig: StepFigures, saved: Sequence[Path] | None = None) -> None:
+        """Say step `fig`'s figures, and the checkpoints `saved` since the last line."""
         r = self.record(fig)
         parts = [f"step {fig.step:>3}/{self.steps}", f"loss {fig.loss:.4f}"]
         if fig.lr is not None:
@@ -219,8 +223,7 @@ class Metrics:
             parts.append(f"MFU {r['mfu']:.1%}")
         parts.append(f"mem {max(fig.real_peak) / 2**20:.1f} MiB")
         parts.append(f"({fig.step_s * 1000:.1f} ms)")
-        if saved:
-            parts.append(f"saved {saved}")
+        parts += [f"saved {path}" for path in saved or ()]
         print("  ".join(parts), flush=True)
         if "eval_loss" in r:
             print(
@@ -279,4 +282,6 @@ def open_metrics(rt: Rank, args: argparse.Namespace, device: torch.device, confi
 
         board = SummaryWriter(str(args.tensorboard))
     peak = peak_flops(device, getattr(args, "precision", "fp32"), args.peak_tflops)
-    return Metrics(rt.build, rt.spec, args.steps, peak, out / "metrics.jsonl", board)
+    # A restarted run's lines go on after those of its attempts before (runtime/restart.py).
+    jsonl, append = out / "metrics.jsonl", attempt() > 0
+    return Metrics(rt.build, rt.spec, args.steps, peak, jsonl, board, append)

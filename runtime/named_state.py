@@ -27,17 +27,18 @@ from pipec.runtime.optim import Trainer, _Slice
 
 
 def _flat(tr: Trainer, per_slice: list[Tensor]) -> Tensor:
-    """A per-slice quantity laid out as all of the rank's parameters end to end (fp32)."""
+    """A per-slice quantity laid out as all of the rank's parameters end to end (fp32), a
+    copy in host memory."""
     rt = tr.rt
     mine = torch.zeros(tr.shard, dtype=torch.float32, device=rt.device)
     for s, v in zip(tr.slices, per_slice):
         a = tr.at(s)
         mine[a : a + s.hi - s.lo] = v.view(-1)
     if not tr.options.zero:
-        return mine
+        return mine.cpu()
     full = torch.empty(tr.shard * rt.dp, dtype=torch.float32, device=rt.device)
     dist.all_gather_single(full, mine, group=rt.dp_group)
-    return full
+    return full.cpu()
 
 
 def _stepped(tr: Trainer) -> dict[str, object]:
@@ -51,28 +52,36 @@ def _moments(tr: Trainer) -> list[str]:
 
 
 def state_dict(tr: Trainer, modules: list[nn.Module]) -> dict[str, object]:
-    """This rank's part of a checkpoint: the first pipeline's parameters and buffers of
-    `modules`' stages (empty `modules`: nothing, though the rank still joins the gathers)."""
+    """What this rank holds of a checkpoint: the first pipeline's parameters and buffers of
+    `modules`' stages (empty `modules`: nothing, though the rank still joins the gathers),
+    keys a lower rank holds too included (`held_lower`). A copy in host memory, each value
+    its own or a view of a copy: training goes on while a thread writes it
+    (runtime/saving.py)."""
     rt = tr.rt
     mine = {id(p) for m in modules for p in m.parameters()}
     flats = {"model": _flat(tr, [s.master for s in tr.slices])}
     for key in _moments(tr):
         states = [tr.inner.state.get(s.master, {}) for s in tr.slices]
         flats[key] = _flat(
-            tr, [st.get(key, torch.zeros_like(s.master)) for s, st in zip(tr.slices, states)]
+            tr,
+            [
+                st[key] if key in st else torch.zeros_like(s.master)
+                for s, st in zip(tr.slices, states)
+            ],
         )
     first = _stepped(tr)
+    step = _host(first["step"]) if "step" in first else None  # one value, every parameter's
     tied = _tied_names(rt.build.plan)
     out: dict[str, object] = {}
     for h in tr.held:
         if id(h.param) not in mine:
             continue
         at = slice(h.offset, h.offset + h.param.numel())
-        values = {key: flat[at].view(h.param.shape).clone() for key, flat in flats.items()}
+        values = {key: flat[at].view(h.param.shape) for key, flat in flats.items()}
         if not h.param.requires_grad:  # frozen: its value, no optimizer state
             values = {"model": values["model"]}
-        elif "step" in first:
-            values["step"] = first["step"].clone()
+        elif step is not None:
+            values["step"] = step
         own = tied.get(h.names[0], h.names[0])
         for name in h.names:
             for key, value in values.items():
@@ -81,8 +90,13 @@ def state_dict(tr: Trainer, modules: list[nn.Module]) -> dict[str, object]:
     for m in modules:
         for name, t in m.state_dict().items():
             if name not in params:
-                out[f"model.{name}"] = rt.fp32_buffers.get(name, t)
-    return _first_holders(out, rt.device)
+                out[f"model.{name}"] = _host(rt.fp32_buffers.get(name, t))
+    return out
+
+
+def _host(t: Tensor) -> Tensor:
+    """A copy of tensor `t` in host memory."""
+    return t.detach().to("cpu", copy=True)
 
 
 def _key(name: str, state: str) -> str:
@@ -100,11 +114,12 @@ def _tied_names(plan: dict) -> dict[str, str]:
     return out
 
 
-def _first_holders(state: dict[str, object], device: torch.device) -> dict[str, object]:
-    """`state` without the keys a lower rank also holds (every rank joins the gather)."""
-    everyone = all_gather_objects(sorted(state), device)
-    earlier = set().union(*everyone[: dist.get_rank()])
-    return {key: value for key, value in state.items() if key not in earlier}
+def held_lower(keys: list[str], device: torch.device) -> frozenset[str]:
+    """The keys among `keys` that a lower rank holds too, and writes (every rank joins the
+    gather). A run's keys are the same at every save, but for optimizer states that come
+    with the first optimizer step, which are each one rank's."""
+    everyone = all_gather_objects(sorted(keys), device)
+    return frozenset(keys) & frozenset().union(*everyone[: dist.get_rank()])
 
 
 def _slice(value: Tensor, s: _Slice) -> Tensor:

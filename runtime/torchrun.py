@@ -13,6 +13,7 @@ PYTHONPATH names.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -27,7 +28,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipec import NO_NUMPY_WARNING
+from pipec.checkpoint_files import manifest, newest_intact
+from pipec.ir import PipecError
+from pipec.runtime.failures import RECORDS, Failure
 from pipec.runtime.faults import GRACE_S, PARENT_PID
+from pipec.runtime.restart import RUN_ID, resume_from
 
 #: The loopback interface (Linux's name), for the ranks' own sockets: gloo and NCCL otherwise
 #: listen on the address the host name resolves to, often an external one.
@@ -35,18 +40,25 @@ LOOPBACK = "lo"
 SOCKET_INTERFACES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-def torchrun(script: Path, nproc: int, *args: str) -> tuple[list[str], dict[str, str]]:
+def torchrun(
+    script: Path, nproc: int, *args: str, max_restarts: int = 0
+) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that run `script` on `nproc` local ranks, every socket
-    on loopback, torchrun ending with this process."""
+    on loopback, torchrun ending with this process and restarting the ranks up to
+    `max_restarts` times; a new run id (its rendezvous id too), which every rank of every
+    attempt is given (runtime/restart.py)."""
+    run = uuid.uuid4().hex[:16]
+    restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
     cmd = [
         sys.executable, "-m", "pipec.runtime.agent", "--nnodes", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", uuid.uuid4().hex,
-        "--local-addr", "127.0.0.1", "--nproc-per-node", str(nproc), str(script), *args,
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", run,
+        "--local-addr", "127.0.0.1", *restarts, "--nproc-per-node", str(nproc), str(script),
+        *args,
     ]  # fmt: skip
     # torchrun imports torch before pipec: its numpy warning is silenced here as pipec/__init__.py
     # silences it in pipec's own processes.
     warnings = ",".join(filter(None, [NO_NUMPY_WARNING, os.environ.get("PYTHONWARNINGS")]))
-    env = os.environ | {"PYTHONWARNINGS": warnings, PARENT_PID: str(os.getpid())}
+    env = os.environ | {"PYTHONWARNINGS": warnings, PARENT_PID: str(os.getpid()), RUN_ID: run}
     if any(name == LOOPBACK for _, name in socket.if_nameindex()):
         env = {name: LOOPBACK for name in SOCKET_INTERFACES} | env  # unless the user chose
     if nproc > 1:  # what torchrun sets then, here without its banner (the ranks set theirs)
@@ -58,7 +70,7 @@ _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _MESSAGE = "pipec runtime: "
 
 
-def run_build(build: Path, nproc: int | None, args: Sequence[str]) -> int:
+def run_build(build: Path, nproc: int | None, args: Sequence[str], max_restarts: int = 0) -> int:
     """Train `build` under torchrun on this machine; its output passes through as it comes.
 
     First `check_run` (one line, before any rank starts). torchrun runs in a session of its
@@ -68,32 +80,47 @@ def run_build(build: Path, nproc: int | None, args: Sequence[str]) -> int:
     killed outright (SIGKILL: the OOM killer, a CI cancel) takes torchrun and its ranks with it
     (runtime/agent.py): no rank trains on.
 
+    With `max_restarts` N, torchrun restarts the ranks after a failure, up to N times, each
+    restart resuming from the run's newest intact checkpoint in --save (runtime/restart.py);
+    each failure is said in one line from torchrun's record of it (runtime/failures.py):
+    `pipec run: rank 1 killed (SIGKILL) at step 7; restart 1 of 3 from step 6`.
+
     On failure torchrun ends with its own report (a ChildFailedError traceback and a table of
     failed ranks) below the line a rank printed to say what went wrong. Once a rank has said
     why, that report is condensed to one line (`_Condense`); without such a line it passes
-    through whole, since it is then all there is. The rank's line is repeated last, as
-    `pipec run: ...`, and the first failed rank's exit code returned (2: bad input, nothing
-    ran; 3: a fault during the run; 1: --check-grads found a difference; 128 + the signal's
-    number after a stop).
+    through whole, since it is then all there is. The rank's line (of the last attempt) is
+    repeated last, as `pipec run: ...`, and the failure's exit code returned (2: bad input,
+    nothing ran; 3: a fault during the run, a hung rank included; 1: --check-grads found a
+    difference; 128 + the signal's number for a rank killed by one, or after a stop).
     """
     from pipec.run_checks import check_run
 
-    ranks = check_run(Path(build), nproc, args)
-    if ranks is None:  # --help: printed
+    checked = check_run(Path(build), nproc, args, max_restarts)
+    if checked is None:  # --help: printed
         return 0
-    cmd, env = torchrun(Path(build) / "launch.py", ranks, *args)
+    ranks, options = checked
+    cmd, env = torchrun(Path(build) / "launch.py", ranks, *args, max_restarts=max_restarts)
     print(
         f"pipec run: {ranks} ranks under torchrun; each reads and verifies {build}, rebuilds its "
         "stages from the model's factory, then runs its program",
         file=sys.stderr,
         flush=True,
     )
+    env[RECORDS] = "1"
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     stop = _Forward(proc)
-    messages, codes = [], []
+    messages, codes, failures = [], [], []
     condense = _Condense()
     with stop:
         for line in proc.stderr:
+            if failure := Failure.parse(line):
+                failures.append(failure)
+                if max_restarts:
+                    resumed = _resumed(options, env[RUN_ID]) if failure.restart else None
+                    print(f"pipec run: {failure.line(resumed)}", file=sys.stderr, flush=True)
+                if failure.restart:  # a new attempt: its own messages say why it fails
+                    messages, codes = [], []
+                continue
             said = line[line.index(_MESSAGE) + len(_MESSAGE) :].strip() if _MESSAGE in line else ""
             if said and not said.startswith("notice:"):  # a notice is not why a run failed
                 messages.append(said)
@@ -111,7 +138,21 @@ def run_build(build: Path, nproc: int | None, args: Sequence[str]) -> int:
         return 0
     said = messages[0] if messages else "a rank failed without a message; see torchrun's report"
     print(f"pipec run: {said}", file=sys.stderr, flush=True)
+    if failures:
+        return failures[-1].code()
     return codes[0] if codes and codes[0] > 0 else code
+
+
+def _resumed(options: argparse.Namespace, run: str) -> int | None:
+    """The step a restart of run `run` resumes from (None: from the start), found as its ranks
+    find it (runtime/restart.py), while none of them runs."""
+    point = resume_from(options.save, options.resume, run)
+    if point is None:
+        return None
+    try:
+        return int(manifest(newest_intact(point)[0])["step"])
+    except PipecError:  # the ranks will say why, in their first lines
+        return None
 
 
 class _Forward:

@@ -287,9 +287,10 @@ def _run_transcript(cmd: Command) -> str | None:
     from pipec.runtime.options import parse_launch
 
     launch = cmd.argv[2:]
-    if "--nproc" in launch:  # pipec run's own option, not launch.py's
-        k = launch.index("--nproc")
-        launch = launch[:k] + launch[k + 2 :]
+    for own in ("--nproc", "--max-restarts"):  # pipec run's own options, not launch.py's
+        if own in launch:
+            k = launch.index(own)
+            launch = launch[:k] + launch[k + 2 :]
     try:
         args = parse_launch(launch)
     except SystemExit:

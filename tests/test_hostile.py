@@ -340,11 +340,15 @@ def no_torchrun(monkeypatch):
         (["--precision", "fp8"], "invalid choice: 'fp8'"),
         (["--max-norm", "-1"], "--max-norm -1: the norm to clip to must be positive"),
         (["--zero", "1"], "--zero 1 shards the optimizer over data-parallel copies"),
+        (["--max-restarts", "2"], "--max-restarts 2: a restarted run resumes from the newest"),
+        (["--max-restarts", "-1", "--save", "DIR"], "--max-restarts -1: give 0 (no restart)"),
+        (["--max-restarts", "1", "--check-grads"], "--check-grads runs one step and saves"),
+        (["--max-restarts", "x"], "Invalid value for '--max-restarts': 'x' is not a valid"),
     ],
 )
 def test_pipec_run_refuses_before_starting(build, tmp_path, capsys, no_torchrun, args, message):
     (tmp_path / "FILE").write_text("")
-    args = [a.replace("FILE", str(tmp_path / "FILE")) for a in args]
+    args = [a.replace("FILE", str(tmp_path / "FILE")).replace("DIR", str(tmp_path)) for a in args]
     nproc = args[:2] if args[0] == "--nproc" else []
     rest = args[2:] if nproc else args
     said = refused(capsys, "run", str(build), *nproc, *rest)

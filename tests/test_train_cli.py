@@ -314,14 +314,14 @@ def _killed_save(directory: Path, model: torch.nn.Module, where: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         if where == "mid-file":  # the tensor file half written
-            real = checkpoint.save_file
+            real = checkpoint._write_safetensors
 
-            def half(tensors, filename, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-                real(tensors, filename, *args, **kwargs)
-                os.truncate(filename, os.path.getsize(filename) // 2)
+            def half(path, tensors) -> None:  # type: ignore[no-untyped-def]
+                real(path, tensors)
+                os.truncate(path, os.path.getsize(path) // 2)
                 die()
 
-            checkpoint.save_file = half
+            checkpoint._write_safetensors = half
         elif where == "before the manifest":  # every data file written, the manifest not yet
             checkpoint._write_manifest = die
         else:  # the checkpoint complete in its partial directory, not yet renamed

@@ -7,7 +7,7 @@ RUNS.json lists {"name", "build", "steps", "lr", "save": DIR | null, "every": K,
 resumed run may name a checkpoint an earlier run wrote); "options" are runtime/optim.py's
 TrainOptions fields and the Schedule's (warmup, decay, min_lr, decay_fraction; "steps": the
 schedule's length when a run stops before it, as a killed run would), default none.
-Each run does what launch.py does (the Trainer, restore, train with `saver`, the same runtime
+Each run does what launch.py does (the Trainer, restore, train with a `Saver`, the same runtime
 functions) and writes to RESULTS_DIR/<rank>.json: the loss of each step (rank 0), each step's
 `rt.last_step`, the bytes of the optimizer's masters and state, whether this rank read the data,
 and with "full_loss" the loss of the plain model loaded with `pipec.checkpoint.load_full` on
@@ -33,9 +33,10 @@ from pipec.runtime.faults import Watchdog
 from pipec.runtime.interpreter import HANDLERS
 from pipec.runtime.loop import train
 from pipec.runtime.lr import Schedule
-from pipec.runtime.main import restore, saver
+from pipec.runtime.main import restore
 from pipec.runtime.optim import Trainer, TrainOptions
 from pipec.runtime.rank import Rank
+from pipec.runtime.saving import Saver
 from pipec.runtime.stash import tensors_nbytes
 from tests.runtime_harness import TIMEOUT_S, serve
 
@@ -80,7 +81,9 @@ def run(case: dict, watchdog: Watchdog) -> dict:
     start = restore(rt, resume, 0)
     losses: list[float] = []
     numbers: list[dict] = []
-    save = saver(rt, Path(case["save"]), case["every"], case["steps"], {}) if case["save"] else None
+    save = None
+    if case["save"]:
+        save = Saver(rt, Path(case["save"]), case["every"], case["steps"], timeout=TIMEOUT_S)
 
     def after_step(step: int) -> None:
         numbers.append(dataclasses.asdict(rt.last_step))

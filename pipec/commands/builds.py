@@ -176,13 +176,23 @@ def verify_cmd(directory: Path) -> None:
 @click.command("run", context_settings={"ignore_unknown_options": True})
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--nproc", type=int, default=None, help="Ranks on this machine (default: P·D).")
+@click.option(
+    "--max-restarts",
+    type=int,
+    default=0,
+    metavar="N",
+    help="Restart the ranks after a failure, up to N times, from the newest checkpoint of "
+    "--save (default 0).",
+)
 @click.argument("launch_args", nargs=-1, type=click.UNPROCESSED)
-def run_cmd(directory: Path, nproc: int | None, launch_args: tuple[str, ...]) -> None:
+def run_cmd(
+    directory: Path, nproc: int | None, max_restarts: int, launch_args: tuple[str, ...]
+) -> None:
     """Train a build under torchrun here (LAUNCH_ARGS go to its launch.py, e.g. --steps 30);
     on failure the rank's one-line message is repeated last and its exit code returned."""
     from pipec.runtime.torchrun import run_build
 
-    code = run_build(directory, nproc, launch_args)
+    code = run_build(directory, nproc, launch_args, max_restarts)
     if code:
         sys.exit(code)
 
