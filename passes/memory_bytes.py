@@ -31,7 +31,8 @@ holds, term by term (every figure a measured fact of the model, in bytes):
 - held: stashes evicted by partners, from ACCEPT to RETURN;
 - host: (CPU runs) autograd's own records of each live stash's graph (nodes, tensor headers),
   from F or RECOMPUTE to the backward, per chunk as measured on this machine; and each posted
-  receive's records beside its buffer (`GLOO_RECV_HOST_BYTES`). A GPU keeps them in host
+  receive's records beside its buffer (`ByteFacts.recv_host`: the runtime's calibration,
+  runtime/calibration.py, which the caller passes in). A GPU keeps them in host
   memory, which its meter does not count: there this term is absent.
 
 Under bf16 (`at_precision`) what activations weigh halves: stashes, messages, what W holds
@@ -73,11 +74,6 @@ TIE = 1e-9
 ALLOCATES = frozenset({Op.F, Op.RECOMPUTE, Op.LOAD, Op.ACCEPT})
 
 
-#: Host bytes one posted gloo receive holds beside its buffer: the tensor's header (~0.36 KiB)
-#: and gloo's request (~1.3 KiB), measured with torch 2.13 by posting 64 receives of 4 KiB.
-#: Part of the host term of a CPU run (a gloo run posts a step's receives at its start).
-GLOO_RECV_HOST_BYTES = 1650.0
-
 #: How many compute instructions before its consumer the runtime posts a receive, per backend
 #: (None: all of a step's receives at its start). NCCL matches in issue order, so its receives
 #: stay at their program positions.
@@ -98,12 +94,10 @@ def for_device(
 ) -> tuple[ByteFacts, int | None]:
     """`facts` as the meter of a run on `device` ("cpu" or "cuda") sees them, and where that
     run posts its receives (`post_points`) on `backend` (default: the device's; gloo on CUDA is
-    `launch.py --share-gpu`). On CPU every term counts, with each posted gloo receive's host
-    bytes. On CUDA host bytes are not device bytes, and W holds the simulator's share (the
-    measure of what W holds runs the model on the host)."""
-    if device == "cpu":
-        facts = replace(facts, recv_host=GLOO_RECV_HOST_BYTES)
-    else:
+    `launch.py --share-gpu`). On CPU every term counts, each posted receive's host bytes as
+    `facts.recv_host` gives them. On CUDA host bytes are not device bytes, and W holds the
+    simulator's share (the measure of what W holds runs the model on the host)."""
+    if device != "cpu":
         facts = replace(facts, host=(), w_held=(), recv_host=0.0)
     return facts, post_ahead(backend or BACKENDS.get(device, "nccl"))
 
@@ -212,9 +206,10 @@ class ByteFacts:
 
     @staticmethod
     def from_plan(
-        plan: dict, host: Sequence[float] = (), w_held: Sequence[float] = ()
+        plan: dict, host: Sequence[float] = (), w_held: Sequence[float] = (), recv_host: float = 0.0
     ) -> ByteFacts:
-        """From a build's plan.json: the frontend's per-chunk facts."""
+        """From a build's plan.json: the frontend's per-chunk facts, and the host ones of a CPU
+        run (the runtime's)."""
         stages = plan["model"]["stages"]
         message = tuple(
             sum(
@@ -232,6 +227,7 @@ class ByteFacts:
             message,
             tuple(host),
             tuple(w_held),
+            recv_host,
         )
 
 

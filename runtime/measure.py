@@ -41,6 +41,7 @@ from pipec.ir import COMPUTE_OPS, Compiled, Instr, Op, op_kinds
 from pipec.passes.costs import CostModel
 from pipec.passes.memory_bytes import ByteFacts, RankBytes, at_precision, for_device, predict_peaks
 from pipec.passes.simulate import Node, SimResult, Slot, play, simulate
+from pipec.runtime.calibration import GLOO_RECV_HOST
 from pipec.runtime.interpreter import StepTrace
 from pipec.runtime.meter import stash_extras
 
@@ -274,7 +275,7 @@ def predicted_peaks(
     (`at_precision`)."""
     if device == "cpu":
         extras = stash_extras(plan, bool({Op.B, Op.W} & op_kinds(compiled.programs)), spec)
-        facts = ByteFacts.from_plan(plan, extras.host, extras.w_held)
+        facts = ByteFacts.from_plan(plan, extras.host, extras.w_held, GLOO_RECV_HOST.value)
     else:
         facts = ByteFacts.from_plan(plan)
     facts, ahead = for_device(facts, device, backend)

@@ -7,11 +7,12 @@ import pytest
 from pipec.codegen.render import format_bytes
 from pipec.compile import compile_schedule
 from pipec.ir import PipecError
-from pipec.passes.memory_bytes import GLOO_RECV_HOST_BYTES, optimizer_bytes
+from pipec.passes.memory_bytes import optimizer_bytes
 from pipec.passes.registry import Request, build_schedule, family
 from pipec.plan.candidates import cost_model
 from pipec.plan.facts import FBW, Chunks
 from pipec.plan.memory import parse_bytes, predicted, stash_limit
+from pipec.runtime.calibration import GLOO_RECV_HOST
 
 
 def chunks(stash, params=(1000,), param_bytes=None, message=None) -> Chunks:
@@ -143,7 +144,7 @@ def test_a_cpu_plan_counts_every_receive_gloo_posts_at_the_step_start():
     # backward rank 0 holds all m gradient buffers, each with its host records.
     m, ch = 8, chunks([1000, 2000, 3000, 4000], params=(10, 20, 30, 40))
     cpu = memory("1f1b", 4, m, ch, "cpu")[0]
-    assert (cpu.buffers, cpu.host) == (m * 125, m * GLOO_RECV_HOST_BYTES)
+    assert (cpu.buffers, cpu.host) == (m * 125, m * GLOO_RECV_HOST.value)
     assert cpu.stash == 4 * (1000 + 125) and cpu.grads == 0
 
 

@@ -33,6 +33,7 @@ from pipec.ir import Layout, PipecError
 from pipec.passes.mapping import mirror_pairs
 from pipec.passes.memory_bytes import ByteFacts, Samples, for_device, held_chunks, rank_samples
 from pipec.plan.facts import Chunks
+from pipec.runtime.calibration import GLOO_RECV_HOST
 
 _UNITS = {
     "": 1,
@@ -66,13 +67,15 @@ def parse_bytes(text: str, what: str = "--memory-per-device") -> int:
 
 def byte_facts(chunks: Chunks, precision: str = "fp32", zero: int = 1) -> ByteFacts:
     """The prediction's per-chunk facts, from the profile's chunks (already at `precision`:
-    `Chunks.at_bf16`), for a run at `precision` with ZeRO-1 over `zero` copies."""
+    `Chunks.at_bf16`), for a run at `precision` with ZeRO-1 over `zero` copies; the host bytes
+    of a posted receive are the runtime's (on CUDA `for_device` drops every host term)."""
     return ByteFacts(
         chunks.params,
         chunks.param_bytes,
         tuple(float(b) for b in chunks.message_bytes),
         tuple(float(b) for b in chunks.host_bytes),
         tuple(float(b) for b in chunks.w_held_bytes),
+        GLOO_RECV_HOST.value,
         precision=precision,
         zero=zero,
     )
