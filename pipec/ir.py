@@ -64,9 +64,9 @@ class Op(enum.Enum):
     OVERLAP = "OVERLAP"
     """The next two compute instructions, a forward and a backward, form DualPipe's F&B pair.
 
-    A hint: a runtime may interleave the forward's communication with the backward's compute
-    (and vice versa). pipec's runtime runs them one after the other, each once its own input
-    has arrived, and the simulator times them the same way (passes/simulate.py).
+    Roughly: nothing. The pair is not overlapped: pipec's runtime runs the forward, then the
+    backward, each once its own input has arrived, and the simulator times them the same way
+    (passes/simulate.py). A runtime that overlaps them could read it as a hint.
     """
     OPTIMIZER_STEP = "OPTIMIZER_STEP"
     """Apply the optimizer to every parameter this rank holds, then zero the gradients."""

@@ -66,8 +66,8 @@ def meter_points(program: Sequence[Instr], posts: Mapping[int, Sequence[int]]) -
 
 
 def run_in_turn(rank: Rank, instr: Instr) -> None:
-    """OVERLAP is a hint that the next F and B may run concurrently; this runtime runs them
-    one after the other (their sends and receives already overlap compute)."""
+    """OVERLAP: nothing. This runtime does not overlap the F&B pair: it runs the forward, then
+    the backward (their sends and receives still overlap compute)."""
 
 
 HANDLERS: Mapping[Op, Handler] = {

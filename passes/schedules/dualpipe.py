@@ -8,17 +8,18 @@ the DualPipe of 2p ranks folded in half). Call the stage at position h of its pi
 ranks); then both variants run the same eight steps, taken from the reference code (its `step`):
 
   1. (half-h-1)·2 F0    2. h+1 × (F0 F1)    3. half-h-1 × (B1 W F1), B/W split
-  4. n-2·half+h+1 × (F0&B1 F1&B0), the overlapped pairs (the middle rank's first F0, B1 apart)
+  4. n-2·half+h+1 × (F0&B1 F1&B0), the F&B pairs (the middle rank's first F0, B1 apart)
   5. half-h-1 × (B1 F1&B0)    6. h+1 × (B1 B0), the later half with B/W split
   7. half-h-1 × (W B0), split    8. h+1 × W
 
 with n micro-batches per pipeline. A full backward is one fused BW (input and weight gradients
 in one pass, as the reference runs it: its input gradient leaves when both are done); a split
-one is B now and its W queued, each W step running the oldest queued one. An overlapped pair
-is `OVERLAP` then the forward and the full backward, two instructions the runtime may run
-concurrently. The simulator starts the pair once both inputs are in and charges F+B+W for
-it (no speed-up from overlap assumed): DeepSeek's accounting, in which its bubble is
-(PP/2-1)(F&B+B-3W) with F&B = F+B+W and B the full backward.
+one is B now and its W queued, each W step running the oldest queued one. An F&B pair is
+`OVERLAP` then the forward and the full backward. The reference overlaps the two; pipec's
+runtime does not: it runs the forward, then the backward, each once its own input is in, and
+the simulator times them so (no speed-up from overlap assumed). DeepSeek's accounting, in
+which its bubble is (PP/2-1)(F&B+B-3W) with F&B = F+B+W and B the full backward, starts a
+pair once both inputs are in (`simulate(..., overlap_as_one=True)`).
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ def _check_dualpipev(req: Request) -> str | None:
 
 @schedule(
     "dualpipe",
-    "DeepSeek DualPipe: two replicas in opposite directions, overlapped F&B pairs; even p, "
-    "even m >= 2p",
+    "DeepSeek DualPipe: two replicas in opposite directions, F&B pairs (run as F then B, "
+    "not overlapped); even p, even m >= 2p",
     checks=(only_v(1), even_p, _check_dualpipe),
 )
 def dualpipe(req: Request) -> Schedule:
