@@ -1,17 +1,19 @@
 """docs/reference.md, generated from the parsers themselves, so it cannot drift from them: every
 `pipec` command with its arguments and options (click), then every option of a build's
-launch.py and of `pipec run` after the build (argparse, runtime/options.py).
+launch.py and of `pipec run` after the build (runtime/options.py, which defines them, writes
+their table).
 
     python -m pipec.reference docs/reference.md     # rewrite it; tests/test_docs.py checks it
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import click
+
+from pipec.markdown import cell
 
 HEADER = """# Reference: commands and launch options
 
@@ -20,17 +22,13 @@ fails when this page and the parsers differ. `pipec COMMAND -h` prints the same.
 """
 
 
-def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
-
-
 def _click_option(param: click.Parameter, ctx: click.Context) -> tuple[str, str, str]:
     names, _ = param.get_help_record(ctx) or (param.human_readable_name, "")
     help_text = getattr(param, "help", None) or ""
     default = param.get_default(ctx, call=False)
     unset = default is None or default is getattr(click.core, "UNSET", None) or default == ()
     hidden = unset or callable(default) or getattr(param, "is_flag", False)
-    return f"`{_cell(names)}`", _cell(help_text), "" if hidden else f"`{default}`"
+    return f"`{cell(names)}`", cell(help_text), "" if hidden else f"`{default}`"
 
 
 def commands_markdown(group: click.Group) -> str:
@@ -52,34 +50,16 @@ def commands_markdown(group: click.Group) -> str:
     return "\n".join(parts)
 
 
-def launch_markdown(parser: argparse.ArgumentParser) -> str:
-    """launch.py's options as a table (`pipec run BUILD` passes the same through)."""
-    rows = ["| option | what | default |", "|---|---|---|"]
-    for action in parser._actions:
-        if not action.option_strings or isinstance(action, argparse._HelpAction):
-            continue
-        names = ", ".join(action.option_strings)
-        if action.nargs != 0:
-            names += f" {action.metavar or action.dest.upper()}"
-        if action.choices:
-            names += " (" + "\\|".join(map(str, action.choices)) + ")"
-        default = action.default
-        unset = default is None or default is False or default == argparse.SUPPRESS
-        shown = "" if unset else f"`{default}`"
-        rows.append(f"| `{names}` | {_cell(action.help or '')} | {shown} |")
-    return "\n".join(rows) + "\n"
-
-
 def render() -> str:
     from pipec.cli import cli
-    from pipec.runtime.options import launch_parser
+    from pipec.runtime.options import reference_markdown
 
     return (
         f"{HEADER}\n## Commands\n\n{commands_markdown(cli)}\n"
         "## Launch options\n\n"
         "What `BUILD/launch.py` takes under torchrun, and `pipec run BUILD` after the build; a "
         "`--config FILE.toml` file takes the same names as keys.\n\n"
-        f"{launch_markdown(launch_parser())}"
+        f"{reference_markdown()}"
     )
 
 

@@ -1,6 +1,6 @@
 """What `pipec run` checks before it starts torchrun, so that a bad option costs no launch.
 
-The launch options are parsed by launch.py's own parser (runtime/main.py), so every option
+The launch options are parsed by launch.py's own parser (runtime/options.py), so every option
 the runtime knows is checked here the same way, in one line; the build must load (a corrupted
 plan.json or program is named), its launch.py and model factory must be the plan's (pipec run
 executes them), `--nproc` must be the build's P·D ranks, `--max-restarts` must have checkpoints
@@ -12,19 +12,23 @@ probe, written and removed) and hold no checkpoints of another model, build or r
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipec.ir import PipecError
 from pipec.progress import progress
 
+if TYPE_CHECKING:
+    from pipec.runtime.config import LaunchConfig
 
-def launch_options(args: Sequence[str]) -> argparse.Namespace | None:
-    """`args` parsed as launch.py would; PipecError with argparse's message in one line.
+
+def launch_options(args: Sequence[str]) -> LaunchConfig | None:
+    """`args` parsed as launch.py would, the run's config; PipecError with argparse's message
+    in one line.
     None for `--help` (printed here; there is nothing to run)."""
     # launch.py's own parser, so options added to it are checked here too (torch: only now).
     from pipec.runtime.options import parse_launch
@@ -60,7 +64,7 @@ def check_writable(directory: Path, option: str = "--save") -> None:
 
 def check_run(
     build: Path, nproc: int | None, args: Sequence[str], max_restarts: int = 0
-) -> tuple[int, argparse.Namespace] | None:
+) -> tuple[int, LaunchConfig] | None:
     """Every check `pipec run BUILD [--nproc N] [--max-restarts N] ARGS` makes before starting
     torchrun; returns the number of ranks to start and the launch options, or None when only
     `--help` was asked for."""
@@ -68,7 +72,6 @@ def check_run(
     from pipec.checkpoint_lineage import Lineage, check_save
     from pipec.provenance import check_factory, resolve
     from pipec.run_lock import check_free
-    from pipec.runtime.train_options import zero_error
 
     if not (Path(build) / "launch.py").is_file():
         raise PipecError(
@@ -80,46 +83,48 @@ def check_run(
         raise PipecError(
             f"--nproc {nproc}: this build runs {ranks} ranks, all on this machine; drop --nproc"
         )
-    options = launch_options(args)
-    if options is None:
+    config = launch_options(args)
+    if config is None:
         return None
-    check_restarts(max_restarts, options)
-    if error := zero_error(options, int(loaded.plan.get("dp", 1))):
+    run, ck, precision = config.run, config.checkpoint, config.training.precision
+    check_restarts(max_restarts, config)
+    if error := config.training.zero_error(int(loaded.plan.get("dp", 1))):
         raise PipecError(error)
     check_launch(loaded)  # pipec run executes it: it must be the plan's
     model_plan = loaded.plan.get("model")
-    if model_plan is not None and options.model is None:
+    if model_plan is not None and run.model is None:
         check_factory(model_plan, loaded.path)
-    saves = options.save is not None and not options.check_grads  # --check-grads saves nothing
-    check_free(loaded.path, options.save if saves else None)
-    if options.save is not None:
-        check_writable(options.save)
+    saves = ck.save is not None and not run.check_grads  # --check-grads saves nothing
+    check_free(loaded.path, ck.save if saves else None)
+    if ck.save is not None:
+        check_writable(ck.save)
     if saves:
-        check_save(options.save, options.resume, Lineage.new(loaded.plan, loaded.plan_hash, None))
+        check_save(ck.save, ck.resume, Lineage.new(loaded.plan, loaded.plan_hash, None))
     if model_plan is None:
-        return ranks, options
-    if options.eval_every and not options.check_grads and model_plan.get("eval_data") is False:
+        return ranks, config
+    every = config.eval.eval_every
+    if every and not run.check_grads and model_plan.get("eval_data") is False:
         raise PipecError(
-            f"--eval-every {options.eval_every}: the ModelSpec of {model_plan['spec']} has no "
+            f"--eval-every {every}: the ModelSpec of {model_plan['spec']} has no "
             "eval_data; give it eval_data (batches in the form of data) or drop --eval-every"
         )
-    if options.precision != "fp32" and loaded.plan.get("precision", "fp32") != options.precision:
-        spec = resolve(model_plan, options.model, loaded.path)
-        check_trains_at(spec, model_plan, options.precision)
-    return ranks, options
+    if precision != "fp32" and loaded.plan.get("precision", "fp32") != precision:
+        spec = resolve(model_plan, run.model, loaded.path)
+        check_trains_at(spec, model_plan, precision)
+    return ranks, config
 
 
-def check_restarts(max_restarts: int, options: argparse.Namespace) -> None:
+def check_restarts(max_restarts: int, config: LaunchConfig) -> None:
     """Refuse `--max-restarts N` where a restart could not resume the run: N below 0, no
     --save (a restarted rank resumes from its newest checkpoint), --check-grads (one step,
     nothing saved)."""
     if max_restarts < 0:
         raise PipecError(f"--max-restarts {max_restarts}: give 0 (no restart) or more")
-    if max_restarts and options.check_grads:
+    if max_restarts and config.run.check_grads:
         raise PipecError(
             "--max-restarts: --check-grads runs one step and saves nothing; drop --max-restarts"
         )
-    if max_restarts and options.save is None:
+    if max_restarts and config.checkpoint.save is None:
         raise PipecError(
             f"--max-restarts {max_restarts}: a restarted run resumes from the newest checkpoint "
             "of --save DIR; give --save DIR (and --save-every K)"

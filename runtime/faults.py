@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Self
+from typing import NoReturn, Self
 
 EXIT_FAULT = 3
 #: The key of the step in a rank's error file (beside torchelastic's own `message`).
@@ -74,7 +74,7 @@ def end_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def report(message: str, step: int | None = None) -> None:
+def report(message: str, step: int | None = None) -> NoReturn:
     """Print one line on stderr, leave it and the `step` under way (None: before the first) in
     torchrun's error file, and end the process now (no atexit, no hanging destructors)."""
     sys.stdout.flush()

@@ -13,15 +13,27 @@ BatchNorm needs nothing: both compute the statistics of each micro-batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from pipec.runtime.data import MicroBatch
+from pipec import checkpoint
+from pipec.frontend import load_factory
+from pipec.ir import Op
+from pipec.runtime.data import MicroBatch, open_source
+from pipec.runtime.faults import Watchdog
+from pipec.runtime.gather import all_gather_objects
+from pipec.runtime.loop import train
+
+if TYPE_CHECKING:
+    from pipec.runtime.interpreter import Handler
+    from pipec.runtime.preflight import Run
+    from pipec.runtime.rank import Rank
 
 aten = torch.ops.aten
 F = torch.nn.functional
@@ -140,3 +152,53 @@ def compare(
                 error = error or f"{name}: {'; '.join(said[:2])}"
         checks.append(StageCheck(stage, rank, tuple(names), worst, error))
     return checks
+
+
+def check_grads(
+    rt: Rank, run: Run, handlers: Mapping[Op, Handler], watchdog: Watchdog, seed: int
+) -> bool:
+    """One step, then every stage's gradients against the plain model's on the same batch, both
+    with dropout off (`DropoutOff`); rank 0 prints one line per stage. True when a stage
+    differs (on every rank)."""
+    with DropoutOff():
+        train(rt, run.start + 1, handlers, watchdog, start=run.start)
+    model_plan = rt.build.plan["model"]
+    plain = load_factory(run.spec, model_plan["seed"], model_plan.get("micro_batch_size"))
+    if run.resume:
+        checkpoint.load(run.resume, [plain.model])
+    batches = open_source(plain, rt.layout.m * rt.dp, seed, run.start).next()
+    with DropoutOff() as off:
+        ref = reference_grads(plain.model, plain.loss_fn, batches, rt.device)
+    checks = compare(rt.modules, rt.grank, rt.optimizer.grads, ref)
+    everyone = all_gather_objects(checks, rt.device)
+    found = sorted((c for cs in everyone for c in cs), key=lambda c: (c.stage, c.rank))
+    bad = sorted({c.stage for c in found if c.error})
+    if rt.grank == 0:
+        print(
+            f"check-grads: step {run.start + 1}, {len(batches)} micro-batches, against "
+            "loss.backward() of the unsplit model (torch.testing.assert_close tolerances)",
+            flush=True,
+        )
+        if off.dropped:
+            print(
+                f"check-grads: dropout off in both ({off.dropped} dropout calls with p > 0 "
+                "ran with p = 0): the pipeline draws masks per stage and rank, not as one "
+                "process does",
+                flush=True,
+            )
+        print("\n".join(c.line() for c in found), flush=True)
+        if bad:
+            print(
+                "pipec runtime: check-grads failed: "
+                + (f"stage {bad[0]} differs" if len(bad) == 1 else f"stages {_join(bad)} differ")
+                + " from the plain model's gradients",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            print("check-grads: ok, every stage matches", flush=True)
+    return bool(bad)
+
+
+def _join(items: list[int]) -> str:
+    return ", ".join(map(str, items))

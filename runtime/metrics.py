@@ -17,7 +17,6 @@ step's FLOPs ÷ (step time × ranks × peak FLOP/s of one device).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -37,6 +36,7 @@ from pipec.runtime.restart import attempt
 if TYPE_CHECKING:
     from pipec.build_dir import Build
     from pipec.frontend import ModelSpec
+    from pipec.runtime.config import LaunchConfig
     from pipec.runtime.interpreter import StepTrace
     from pipec.runtime.rank import Rank
 
@@ -270,18 +270,18 @@ def _si(x: float) -> str:
     return f"{x:.3g} "
 
 
-def open_metrics(rt: Rank, args: argparse.Namespace, device: torch.device, config: dict) -> Metrics:
+def open_metrics(rt: Rank, config: LaunchConfig) -> Metrics:
     """Rank 0's metrics log: measured/config.json holds the run's options, metrics.jsonl and
     TensorBoard (--tensorboard DIR) each step's figures."""
     out = rt.build.path / MEASURED
     out.mkdir(exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    board = None
-    if args.tensorboard is not None:
+    (out / "config.json").write_text(json.dumps(config.to_json(), indent=2, sort_keys=True) + "\n")
+    board, given = None, config.metrics
+    if given.tensorboard is not None:
         from torch.utils.tensorboard import SummaryWriter  # the optional extra: checked in parse
 
-        board = SummaryWriter(str(args.tensorboard))
-    peak = peak_flops(device, getattr(args, "precision", "fp32"), args.peak_tflops)
+        board = SummaryWriter(str(given.tensorboard))
+    peak = peak_flops(rt.device, config.training.precision, given.peak_tflops)
     # A restarted run's lines go on after those of its attempts before (runtime/restart.py).
     jsonl, append = out / "metrics.jsonl", attempt() > 0
-    return Metrics(rt.build, rt.spec, args.steps, peak, jsonl, board, append)
+    return Metrics(rt.build, rt.spec, config.training.steps, peak, jsonl, board, append)

@@ -186,6 +186,10 @@ class Rank:
             return x.to(self.device, self.compute_dtype)
         return x.to(self.device)
 
+    def open_data(self, data: Synthetic | Stream) -> None:
+        """Read the training batches from `data` (a checkpoint's position in the stream)."""
+        self.data = data
+
     def new_step(self, step: int) -> None:
         """Step `step` begins: forget the last step's batch (the next `batch` call reads the
         next one)."""

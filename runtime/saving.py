@@ -12,8 +12,8 @@ training's collectives.
   A write that failed (a full disk, a peer gone) raises there, in the training thread; the
   previous checkpoint is then still the newest intact one, since nothing is published before
   its manifest is written.
-- The last step's checkpoint, and a stopped run's (`stopped`), are complete before the run
-  ends.
+- The last step's checkpoint, and a stopped run's (runtime/stopping.py), are complete before
+  the run ends.
 - A step's line says `saved DIR/step_N` once that checkpoint is complete: on the line of the
   step that saved it when the write was that quick, else on a later step's line (rank 0
   publishes each checkpoint and knows).
@@ -140,24 +140,3 @@ class Saver:
             self.saved_step = step
             if force or step == self.last:  # the run ends after it
                 self.writer.wait()
-
-
-def stopped(
-    grank: int, signal_name: str, start: int, done: int, steps: int, save: Saver | None
-) -> None:
-    """After a stop signal: a last checkpoint of the `done` steps, complete before this
-    returns (unless step `done` was just saved, or the run trained nothing since step
-    `start`), and rank 0's line saying where the run stopped."""
-    kept = ""
-    if save is not None:
-        if save.saved_step != done and done > start:
-            save(done, force=True)
-        save.writer.wait()
-        if save.saved_step == done:
-            kept = f"; checkpoint {checkpoint.step_dir(save.writer.directory, done)}"
-    if grank == 0:
-        print(
-            f"pipec runtime: stopped by {signal_name} after step {done} of {steps}{kept}",
-            file=sys.stderr,
-            flush=True,
-        )

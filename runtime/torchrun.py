@@ -13,7 +13,6 @@ PYTHONPATH names.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import re
@@ -26,6 +25,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipec import NO_NUMPY_WARNING
 from pipec.checkpoint_files import manifest, newest_intact
@@ -33,6 +33,9 @@ from pipec.ir import PipecError
 from pipec.runtime.failures import RECORDS, Failure
 from pipec.runtime.faults import GRACE_S, PARENT_PID
 from pipec.runtime.restart import RUN_ID, resume_from
+
+if TYPE_CHECKING:
+    from pipec.runtime.config import CheckpointConfig
 
 #: The loopback interface (Linux's name), for the ranks' own sockets: gloo and NCCL otherwise
 #: listen on the address the host name resolves to, often an external one.
@@ -98,7 +101,7 @@ def run_build(build: Path, nproc: int | None, args: Sequence[str], max_restarts:
     checked = check_run(Path(build), nproc, args, max_restarts)
     if checked is None:  # --help: printed
         return 0
-    ranks, options = checked
+    ranks, config = checked
     cmd, env = torchrun(Path(build) / "launch.py", ranks, *args, max_restarts=max_restarts)
     print(
         f"pipec run: {ranks} ranks under torchrun; each reads and verifies {build}, rebuilds its "
@@ -116,7 +119,7 @@ def run_build(build: Path, nproc: int | None, args: Sequence[str], max_restarts:
             if failure := Failure.parse(line):
                 failures.append(failure)
                 if max_restarts:
-                    resumed = _resumed(options, env[RUN_ID]) if failure.restart else None
+                    resumed = _resumed(config.checkpoint, env[RUN_ID]) if failure.restart else None
                     print(f"pipec run: {failure.line(resumed)}", file=sys.stderr, flush=True)
                 if failure.restart:  # a new attempt: its own messages say why it fails
                     messages, codes = [], []
@@ -143,10 +146,10 @@ def run_build(build: Path, nproc: int | None, args: Sequence[str], max_restarts:
     return codes[0] if codes and codes[0] > 0 else code
 
 
-def _resumed(options: argparse.Namespace, run: str) -> int | None:
+def _resumed(checkpoints: CheckpointConfig, run: str) -> int | None:
     """The step a restart of run `run` resumes from (None: from the start), found as its ranks
     find it (runtime/restart.py), while none of them runs."""
-    point = resume_from(options.save, options.resume, run)
+    point = resume_from(checkpoints.save, checkpoints.resume, run)
     if point is None:
         return None
     try:

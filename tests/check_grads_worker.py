@@ -2,9 +2,9 @@
 
     torchrun --standalone --nproc-per-node P tests/check_grads_worker.py CASES.json RESULTS_DIR
 
-For each case ({"name", "build"}) every rank rebuilds its stages and runs `runtime.main.check_grads`
-as launch.py does (one step, its reference, dropout off in both); rank 0's printed report and the
-verdict go to RESULTS_DIR/<rank>.json.
+For each case ({"name", "build"}) every rank rebuilds its stages and runs
+`runtime.gradcheck.check_grads` as launch.py does (one step, its reference, dropout off in both);
+rank 0's printed report and the verdict go to RESULTS_DIR/<rank>.json.
 """
 
 from pipec.runtime.faults import take_termination_signals
@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from pipec.build_dir import load
 from pipec.checkpoint_lineage import Lineage
+from pipec.runtime.checkpoint_hooks import restore
 from pipec.runtime.faults import Watchdog
-from pipec.runtime.gradcheck import GradCapture
+from pipec.runtime.gradcheck import GradCapture, check_grads
 from pipec.runtime.interpreter import HANDLERS
-from pipec.runtime.main import Run, check_grads, restore
+from pipec.runtime.preflight import Run
 from pipec.runtime.rank import Rank
 from tests.runtime_harness import TIMEOUT_S, serve
 

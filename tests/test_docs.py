@@ -279,11 +279,10 @@ def _problem(cmd: Command, worker: Worker, cwd: Path) -> str | None:
 
 def _run_transcript(cmd: Command) -> str | None:
     """Why the transcript of a `pipec run` the suite does not run is not that command's, or
-    None: it must show the line the run prints from its options (runtime/main.py's
-    `training_line`), and its steps must count to --steps."""
+    None: it must show the line the run prints from its options (runtime/config.py's
+    `LaunchConfig.training_line`), and its steps must count to --steps."""
     if not cmd.output:
         return None
-    from pipec.runtime.main import training_line
     from pipec.runtime.options import parse_launch
 
     launch = cmd.argv[2:]
@@ -292,17 +291,18 @@ def _run_transcript(cmd: Command) -> str | None:
             k = launch.index(own)
             launch = launch[:k] + launch[k + 2 :]
     try:
-        args = parse_launch(launch)
+        config = parse_launch(launch)
     except SystemExit:
         return f"launch.py refuses {launch}"
-    if args.check_grads:
+    if config.run.check_grads:
         return None
-    expected = training_line(args)
+    steps = config.training.steps
+    expected = config.training_line()
     if expected not in cmd.output:
         return f"the transcript is not this command's: it should show\n  {expected}"
     counts = set(re.findall(r"^step +\d+/(\d+) ", "\n".join(cmd.output), re.MULTILINE))
-    if counts - {str(args.steps)}:
-        return f"the transcript counts steps to {sorted(counts)}, the command to {args.steps}"
+    if counts - {str(steps)}:
+        return f"the transcript counts steps to {sorted(counts)}, the command to {steps}"
     return None
 
 

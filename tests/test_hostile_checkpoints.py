@@ -28,8 +28,9 @@ from pipec.cli import main as pipec_main
 from pipec.frontend import load_factory
 from pipec.ir import PipecError
 from pipec.model import compile_model
-from pipec.runtime.main import branch, claim, preflight
+from pipec.runtime.checkpoint_hooks import branch, claim
 from pipec.runtime.options import parse_launch
+from pipec.runtime.preflight import preflight
 from tests.helpers import tree
 from tests.runtime_launch import said_by_rank_0
 
@@ -173,8 +174,8 @@ def test_a_malformed_newest_manifest_is_skipped_for_the_older(build, tmp_path, c
     older, newest = saved(tmp_path, 1), saved(tmp_path, 2)
     text, reason = MALFORMED[case]
     (newest / "manifest.json").write_text(text(newest))
-    args = parse_launch(["--resume", str(tmp_path), "--steps", "5"])
-    run = preflight(build, args, world=2, local_world=2)
+    config = parse_launch(["--resume", str(tmp_path), "--steps", "5"])
+    run = preflight(build, config, world=2, local_world=2)
     err = capsys.readouterr().err
     assert run.resume == older and run.start == 1
     assert err.startswith(f"pipec runtime: notice: skipping {newest.name}: {newest}/manifest.json")

@@ -104,11 +104,11 @@ def test_no_import_cycle_crosses_two_top_level_folders():
 
 
 def test_the_graph_sees_a_cycle_when_there_is_one():
-    """The check above can fail: the runtime's entry point imports the launcher's checks, so the
+    """The check above can fail: the runtime's preflight imports the launcher's checks, so the
     checks importing it back would close a cycle."""
     graph = import_graph()
-    assert graph.has_edge("pipec.runtime.main", "pipec.run_checks")
-    graph.add_edge("pipec.run_checks", "pipec.runtime.main")
+    assert graph.has_edge("pipec.runtime.preflight", "pipec.run_checks")
+    graph.add_edge("pipec.run_checks", "pipec.runtime.preflight")
     assert any(
         len(c) > 1 and "pipec.run_checks" in c for c in nx.strongly_connected_components(graph)
     )

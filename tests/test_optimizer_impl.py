@@ -14,10 +14,8 @@ import torch
 
 from pipec.frontend import load_factory
 from pipec.runtime.lr import Schedule
-from pipec.runtime.main import training_line
 from pipec.runtime.optim import Trainer, TrainOptions
 from pipec.runtime.options import parse_launch
-from pipec.runtime.train_options import train_options
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = f"{ROOT}/tests/train_factories.py:copying"
@@ -94,8 +92,9 @@ def test_fused_gives_torchs_fused_step_which_rounds_differently():
 
 
 def test_launch_option_reaches_the_trainer_and_the_training_line():
-    args = parse_launch(["--steps", "5", "--optimizer-impl", "fused"])
-    assert train_options(args).implementation == "fused"
-    assert training_line(args).startswith("training to step 5: AdamW (fused) lr")
-    assert train_options(parse_launch(["--steps", "5"])).implementation == "foreach"
-    assert training_line(parse_launch(["--steps", "5"])).startswith("training to step 5: AdamW lr")
+    config = parse_launch(["--steps", "5", "--optimizer-impl", "fused"])
+    assert config.training.trainer_options().implementation == "fused"
+    assert config.training_line().startswith("training to step 5: AdamW (fused) lr")
+    plain = parse_launch(["--steps", "5"])
+    assert plain.training.trainer_options().implementation == "foreach"
+    assert plain.training_line().startswith("training to step 5: AdamW lr")

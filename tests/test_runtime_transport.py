@@ -21,7 +21,7 @@ from pipec.build_dir import emit
 from pipec.ir import RECV_OPS, SEND_OPS, Op
 from pipec.model import compile_model
 from pipec.passes.batches import message_batches
-from pipec.runtime.main import rank_device
+from pipec.runtime.preflight import rank_device
 from tests.runtime_launch import launch, said_by_rank_0
 
 ROOT = Path(__file__).resolve().parents[1]

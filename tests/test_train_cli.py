@@ -4,6 +4,7 @@ communication, a build run from another directory, and a save killed mid-write."
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -23,7 +24,8 @@ from pipec.frontend import load_factory
 from pipec.ir import PipecError
 from pipec.model import compile_model
 from pipec.provenance import resolve
-from pipec.runtime.options import parse_launch
+from pipec.runtime.config import SECTIONS
+from pipec.runtime.options import launch_parser, parse_launch
 from pipec.runtime.torchrun import _Condense, torchrun
 from tests.helpers import forbid_torchrun, ticking
 from tests.runtime_launch import refused, said_by_rank_0
@@ -189,9 +191,13 @@ def test_an_empty_path_turns_its_option_off(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text('save = "ck"\ntensorboard = "tb"\nresume = "ck"\n')
     argv = ["--config", str(config), "--save", "", "--tensorboard", "", "--resume", ""]
-    args = parse_launch(argv)
-    assert (args.save, args.tensorboard, args.resume) == (None, None, None)
-    assert parse_launch(["--config", ""]).save is None
+    config = parse_launch(argv)
+    assert (config.checkpoint.save, config.metrics.tensorboard, config.checkpoint.resume) == (
+        None,
+        None,
+        None,
+    )
+    assert parse_launch(["--config", ""]).checkpoint.save is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -208,7 +214,7 @@ def test_rank_0_says_what_its_start_up_is_doing(build, monkeypatch, capsys):
         raise PipecError("stopped after one tick")
 
     monkeypatch.setenv("PIPEC_PROGRESS", "1")
-    ticking(monkeypatch, "pipec.runtime.main.check_runnable", stop)
+    ticking(monkeypatch, "pipec.runtime.preflight.check_runnable", stop)
     err = refused(build, monkeypatch, capsys).splitlines()
     assert re.fullmatch(r"pipec: rank 0 of 4 starting: \d+ s so far", err[0])
     assert err[1:] == ["pipec runtime: stopped after one tick"]
@@ -348,3 +354,11 @@ def test_a_save_killed_mid_write_leaves_the_last_checkpoint(tmp_path, where):
         assert torch.equal(value, saved[name]), name
     checkpoint.save(tmp_path, 9, checkpoint.state_dict([spec.model], None))  # a later save
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000009"]
+
+
+def test_every_launch_option_is_one_field_of_one_config_section():
+    """runtime/options.py builds the config by field name: an option no section holds would be
+    lost, a field no option fills would fail every launch."""
+    dests = [a.dest for a in launch_parser()._actions if a.dest != "help"]
+    held = [f.name for section in SECTIONS.values() for f in dataclasses.fields(section)]
+    assert sorted(dests) == sorted(held)

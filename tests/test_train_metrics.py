@@ -167,8 +167,14 @@ def _refusal(capsys, *argv: str) -> str:
 def test_config_keys_and_their_refusals(tmp_path, capsys):
     f = tmp_path / "c.toml"
     f.write_text('steps = 7\nsave-every = 2\ncheck_grads = false\nno_verify = true\nsave = "ck"\n')
-    args = parse_launch(["--config", str(f), "--save-every", "3"])
-    assert (args.steps, args.save_every, args.no_verify, str(args.save)) == (7, 3, True, "ck")
+    config = parse_launch(["--config", str(f), "--save-every", "3"])
+    ck = config.checkpoint
+    assert (config.training.steps, ck.save_every, config.run.no_verify, str(ck.save)) == (
+        7,
+        3,
+        True,
+        "ck",
+    )
     f.write_text("steps = 7\nmax_nrom = 1.0\n")
     err = _refusal(capsys, "--config", str(f))
     assert "unknown key 'max_nrom'; valid keys: " in err and "eval_every" in err

@@ -28,12 +28,12 @@ from pipec import checkpoint
 from pipec.build_dir import load
 from pipec.frontend import load_factory
 from pipec.frontend.precision import PRECISIONS
+from pipec.runtime.checkpoint_hooks import restore
 from pipec.runtime.data import open_source
 from pipec.runtime.faults import Watchdog
 from pipec.runtime.interpreter import HANDLERS
 from pipec.runtime.loop import train
 from pipec.runtime.lr import Schedule
-from pipec.runtime.main import restore
 from pipec.runtime.optim import Trainer, TrainOptions
 from pipec.runtime.rank import Rank
 from pipec.runtime.saving import Saver

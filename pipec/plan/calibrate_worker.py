@@ -41,7 +41,6 @@ from pipec.runtime.offload import size_moves
 from pipec.runtime.optim import Trainer
 from pipec.runtime.options import parse_launch
 from pipec.runtime.rank import Rank
-from pipec.runtime.train_options import train_options
 
 TIMEOUT_S = 120.0
 PINGS = 200
@@ -82,7 +81,7 @@ def main() -> None:
     ap.add_argument("builds", nargs="+", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    options = train_options(parse_launch(["--precision", args.precision]))
+    options = parse_launch(["--precision", args.precision]).training.trainer_options()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.ping is not None and world > 1:
