@@ -202,12 +202,15 @@ def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int, comm: 
         pipec_step()
         peer.step(metered=True)
         if k == 0:  # both start from the same weights: the first step's loss must agree
-            first_loss = [rt.loss_sums()[0].item() / max(len(rt.losses), 1), peer.loss()]
-        rt.losses.clear()
+            first_loss = [
+                rt.loss_sums()[0].item() / max(len(rt.step_state.losses), 1),
+                peer.loss(),
+            ]
+        rt.step_state.losses.clear()
     times: list[list[float]] = []
     for _ in range(pairs):
         a, a_cpu = _timed(pipec_step)
-        rt.losses.clear()
+        rt.step_state.losses.clear()
         b, b_cpu = _timed(lambda: peer.step(metered=False))
         times.append(_across_ranks([a, b], [a_cpu, b_cpu]))
     watchdog.stop()
@@ -215,7 +218,7 @@ def run_case(case: dict, grank: int, world: int, warmup: int, pairs: int, comm: 
     losses = torch.tensor(first_loss, dtype=torch.float64)
     dist.all_reduce(losses)  # one rank holds the last stage's losses (V: rank 0)
     peaks = [torch.zeros(world, dtype=torch.int64) for _ in range(2)]
-    peaks[0][grank] = rt.peak
+    peaks[0][grank] = rt.stash_bytes.peak
     peaks[1][grank] = peer.meter.peak
     for t in peaks:
         dist.all_reduce(t)

@@ -39,7 +39,7 @@ def forward(rt: Rank, instr: Instr) -> None:
     inputs = rt.batch(mb)[0] if prev is None else incoming(rt, p2p.Kind.ACT, prev, mb)
     out = rt.modules[s](*inputs)
     if nxt is None:
-        rt.losses[mb] = rt.spec.loss_fn(out, rt.batch(mb)[1])
+        rt.step_state.losses[mb] = rt.spec.loss_fn(out, rt.batch(mb)[1])
     else:
         outgoing(rt, p2p.Kind.ACT, s, mb, nxt, (out,) if isinstance(out, Tensor) else tuple(out))
 
@@ -54,27 +54,24 @@ HANDLERS: Mapping[Op, Handler] = {
 def evaluate(rt: Rank, batches: int, watchdog: Watchdog) -> float:
     """The mean loss over the micro-batches of eval_data's first `batches` global batches;
     every rank calls it at the same point and gets the same value."""
-    saved = rt.program, rt.positions, rt.data, rt.batch_cache, rt.losses, watchdog.describe
     modes = {s: m.training for s, m in rt.modules.items()}
     total, count = torch.zeros((), dtype=torch.float64, device=rt.device), 0
+    program, source = rt.build.eval_programs[rt.rank], eval_file(rt.rank)
+    data = Stream(rt.spec, rt.layout.m * rt.dp, 0, "eval_data")
+    describe, step = watchdog.describe, rt.step
     try:
-        rt.program, rt.positions = rt.build.eval_programs[rt.rank], None  # its own positions
-        rt.data = Stream(rt.spec, rt.layout.m * rt.dp, 0, "eval_data")
-        rt.losses = {}
-        source = eval_file(rt.rank)
         watchdog.describe = lambda k: rt.describe(k).replace(rt.source, source)
         for module in rt.modules.values():
             module.eval()
-        with torch.no_grad():
+        with rt.evaluating(program, data), torch.no_grad():
             for _ in range(batches):
-                rt.new_step(rt.step)  # the training step's number: no optimizer step here
+                rt.new_step(step)  # the training step's number: no optimizer step here
                 run_program(rt, HANDLERS, watchdog)
                 rt.comm.complete()  # no optimizer step drains the sends
                 total += rt.loss_sums()[0]
-                count += len(rt.losses)
-                rt.losses.clear()
+                count += len(rt.step_state.losses)
     finally:
-        rt.program, rt.positions, rt.data, rt.batch_cache, rt.losses, watchdog.describe = saved
+        watchdog.describe = describe
         for s, module in rt.modules.items():
             module.train(modes[s])
     sums = torch.stack((total, torch.tensor(float(count), dtype=torch.float64, device=rt.device)))

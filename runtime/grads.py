@@ -43,16 +43,16 @@ def allreduce_grads(rt: Rank, instr: Instr) -> None:
     if instr.peer is None:
         if rt.zero:
             return  # ZeRO-1 reduce-scatters the data-parallel sum at the step (runtime/optim.py)
-        group = rt.dp_group
+        group = rt.groups.dp
     else:
-        group = rt.replica_groups[(instr.peer, rt.layout.stage_chunk[instr.stage])]
+        group = rt.groups.replicas[(instr.peer, rt.layout.stage_chunk[instr.stage])]
     if group is None:
         return  # data parallelism of one: nothing to sum
-    params = [p for p in rt.stage_parameters(instr.stage) if id(p) not in rt.synced]
-    rt.synced.update(id(p) for p in params)
+    params = [p for p in rt.stage_parameters(instr.stage) if id(p) not in rt.step_state.synced]
+    rt.step_state.synced.update(id(p) for p in params)
     flat = _flatten_dense_tensors(_grads(params))
     work = dist.all_reduce(flat, group=group, async_op=True)
-    rt.reductions.append((work, flat, params))
+    rt.step_state.reductions.append((work, flat, params))
 
 
 def _finish(params, flat: torch.Tensor) -> None:
@@ -62,14 +62,14 @@ def _finish(params, flat: torch.Tensor) -> None:
 
 def optimizer_step(rt: Rank, instr: Instr) -> None:
     rt.comm.drain()
-    for work, flat, params in rt.reductions:
+    for work, flat, params in rt.step_state.reductions:
         work.wait(rt.comm.timeout)
         _finish(params, flat)
-    for group, param in rt.tied:
+    for group, param in rt.groups.tied:
         flat = _flatten_dense_tensors(_grads([param]))
         dist.all_reduce(flat, group=group)
         _finish([param], flat)
-    rt.optimizer.step()
+    rt.step_state.stepped(rt.optimizer.step())
     rt.optimizer.zero_grad(set_to_none=True)
     _check_step_is_over(rt)
 
@@ -77,12 +77,12 @@ def optimizer_step(rt: Rank, instr: Instr) -> None:
 def _check_step_is_over(rt: Rank) -> None:
     """Anything left from this step means the program is wrong; say what."""
     left = {
-        "stashes": list(rt.stashes),
-        "unsent or unconsumed tensors": list(rt.outbox) + list(rt.local),
-        "deferred weight gradients (W missing) or accepted stashes": list(rt.held),
+        "stashes": list(rt.step_state.stashes),
+        "unsent or unconsumed tensors": list(rt.step_state.outbox) + list(rt.step_state.local),
+        "deferred weight gradients (W missing) or accepted stashes": list(rt.step_state.held),
     }
     for what, keys in left.items():
         if keys:
             raise RuntimeError(f"the step ended with {what} left: {keys[:4]}")
-    rt.reductions.clear()
-    rt.synced.clear()
+    rt.step_state.reductions.clear()
+    rt.step_state.synced.clear()

@@ -29,7 +29,7 @@ from pipec.passes.batches import batch_ends
 from pipec.passes.memory_bytes import ALLOCATES, post_points
 from pipec.runtime import clock, compute, grads, offload, p2p
 from pipec.runtime.faults import Watchdog
-from pipec.runtime.meter import Meter, Sampling
+from pipec.runtime.meter import Sampling
 from pipec.runtime.precision import grad_of
 from pipec.runtime.rank import FIRST_INSTR_LINE, Rank
 from pipec.runtime.stash import tensors_nbytes
@@ -187,12 +187,8 @@ def run_program(
     only where full steps peaked (`Sampling`); after the other instructions the last reading
     stands, an upper bound of what they hold where they only let bytes go.
     """
-    program, comm = rt.program, rt.comm
-    if rt.meter is None:
-        rt.meter = Meter(rt.device)
-    if rt.positions is None:
-        rt.positions = Positions.of(rt)
-    meter, pos = rt.meter, rt.positions
+    program, comm, counter = rt.program, rt.comm, rt.stash_bytes
+    meter, pos = rt.meter, rt.positions_for(Positions.of)
     params, reads = pos.params, pos.sampling.next_step(full)
     posted_at, runs_at, ends_at, allocates_at = (
         pos.posted_at,
@@ -244,7 +240,7 @@ def run_program(
             begun[k], start[k], end[k] = t0, t0 + waited, t1
         if comm.in_flight:
             comm.poll()
-        live[k] = rt.live
+        live[k] = counter.live
         if reads[k]:
             sample = meter.read()
             if sample > best:

@@ -87,7 +87,6 @@ def train(
         rt.new_step(step + 1)
         traces.append(run_program(rt, handlers, watchdog, full=step + 1 == steps))
         pending = gather_step(rt, traces[-1], watchdog.stopping.is_set())
-        rt.losses.clear()
         if after_step:
             after_step(step + 1)
     step_barrier("after the last step", watchdog.timeout)
@@ -97,7 +96,7 @@ def train(
 
 def write_measurements(rt: Rank, traces: list[StepTrace], skip: int) -> None:
     """Gather every rank's measurements; rank 0 writes measured/ and prints the comparison."""
-    mine = rank_report(rt.grank, rt.program, rt.peak, traces, rt.device.type)
+    mine = rank_report(rt.grank, rt.program, rt.stash_bytes.peak, traces, rt.device.type)
     reports = all_gather_objects(mine, rt.device)
     if rt.grank != 0:
         return

@@ -54,7 +54,6 @@ from pipec.runtime.inject import inject
 from pipec.runtime.interpreter import HANDLERS, Handler, check_program
 from pipec.runtime.loop import train, warmup_kept, write_measurements
 from pipec.runtime.metrics import Metrics, open_metrics
-from pipec.runtime.offload import size_moves
 from pipec.runtime.optim import Trainer
 from pipec.runtime.options import changed, parse_launch
 from pipec.runtime.preflight import Run, preflight, rank_device
@@ -111,7 +110,6 @@ def main(
         options = config.training.trainer_options()
         checking = config.run.check_grads
         rt.connect(GradCapture if checking else lambda _: Trainer(rt, options), config.run.timeout)
-        size_moves(rt)  # a bf16 run's stash moves: their bytes at bf16
         restore(rt, run.resume, config.training.seed)
         if checking:
             code = int(check_grads(rt, run, handlers, watchdog, config.training.seed))

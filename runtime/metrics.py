@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from pipec.build_dir import MEASURED
 from pipec.ir import Op, Program
-from pipec.runtime.optim import PendingStep
 from pipec.runtime.restart import attempt
 
 if TYPE_CHECKING:
@@ -101,12 +100,12 @@ def batch_unit(spec: ModelSpec) -> tuple[str, int]:
 
 def last_step(rt: Rank) -> tuple[float, float]:
     """The learning rate of the optimizer step just taken and its gradient norm (nan: no step
-    taken, e.g. under --check-grads' stand-in optimizer)."""
-    if isinstance(rt.last_step, PendingStep):  # its norm still being summed: wait for it
-        rt.last_step = rt.last_step.result()
-    if rt.last_step is None:
+    taken, e.g. under --check-grads' stand-in optimizer); a norm still being summed is waited
+    for."""
+    numbers = rt.step_state.numbers()
+    if numbers is None:
         return math.nan, math.nan
-    return rt.last_step.lr, rt.last_step.grad_norm
+    return numbers.lr, numbers.grad_norm
 
 
 def gather_step(
@@ -116,7 +115,7 @@ def gather_step(
     `stopping`: this rank was asked to stop (a signal) and will stop after this step."""
     lr, grad_norm = last_step(rt)
     row = torch.tensor(
-        [0.0, len(rt.losses), trace.wall_s, trace.real_peak, lr, grad_norm, stopping],
+        [0.0, len(rt.step_state.losses), trace.wall_s, trace.real_peak, lr, grad_norm, stopping],
         dtype=torch.float64,
         device=rt.device,
     )

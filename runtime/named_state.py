@@ -37,7 +37,7 @@ def _flat(tr: Trainer, per_slice: list[Tensor]) -> Tensor:
     if not tr.options.zero:
         return mine.cpu()
     full = torch.empty(tr.shard * rt.dp, dtype=torch.float32, device=rt.device)
-    dist.all_gather_single(full, mine, group=rt.dp_group)
+    dist.all_gather_single(full, mine, group=rt.groups.dp)
     return full.cpu()
 
 

@@ -51,16 +51,17 @@ def buffer_bytes(rt: Rank, stage: int, mb: int) -> int:
     """Bytes of (stage, mb)'s flat stash buffer, from the plan (or `size_moves`): what the
     evictor packs and the acceptor allocates, without a message saying it."""
     chunk = rt.layout.stage_chunk[stage]
-    if rt.moved_bytes:
-        return rt.moved_bytes[chunk]
+    if moved := rt.stash_bytes.moved:
+        return moved[chunk]
     recomputed = uses_recompute(rt.build.compiled.programs)  # all of a build's stages or none
     facts = rt.build.costs.input_bytes if recomputed else rt.build.costs.stash_bytes
     return int(facts[chunk])
 
 
-def size_moves(rt: Rank) -> None:
-    """Set `rt.moved_bytes` unless the plan's stash bytes are this run's: they were measured in
-    the model's own dtype, and priced from there for `pipec compile --precision bf16`, but a
+def size_moves(rt: Rank) -> tuple[int, ...]:
+    """A stash move's bytes per chunk, unless the plan's stash bytes are this run's (then
+    none, `()`, on every rank; `Rank.connect` keeps them): the plan's were measured in the
+    model's own dtype, and priced from there for `pipec compile --precision bf16`, but a
     bf16 stash is not simply half an fp32 one (integer ids, a loss upcast to fp32). Each rank
     measures the stashes of its own stages as F makes them, on zeros of the boundary's shapes
     and run dtypes, and every rank takes the world's figure per chunk (one all-reduce before the
@@ -69,7 +70,7 @@ def size_moves(rt: Rank) -> None:
     programs = rt.build.compiled.programs
     measured = rt.compute_dtype is None and rt.build.plan.get("precision", "fp32") == "fp32"
     if measured or not any(i.op is Op.EVICT for prog in programs for i in prog):
-        return
+        return ()
     recomputed = uses_recompute(programs)
     sizes = torch.zeros(len(rt.build.costs.stash_bytes), dtype=torch.int64, device=rt.device)
     for stage in rt.modules:
@@ -80,7 +81,7 @@ def size_moves(rt: Rank) -> None:
         chunk = rt.layout.stage_chunk[stage]
         sizes[chunk] = tensors_nbytes(received) if recomputed else _stash_bytes(rt, stage, received)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-    rt.moved_bytes = tuple(sizes.tolist())
+    return tuple(sizes.tolist())
 
 
 def _stash_bytes(rt: Rank, stage: int, received: tuple[torch.Tensor, ...]) -> int:
@@ -105,7 +106,7 @@ def _stash_bytes(rt: Rank, stage: int, received: tuple[torch.Tensor, ...]) -> in
 
 
 def _stash(rt: Rank, instr: Instr) -> Stash:
-    stash = rt.stashes.get((instr.stage, instr.mb))
+    stash = rt.step_state.stashes.get((instr.stage, instr.mb))
     if stash is None:
         raise RuntimeError(f"{instr}: no stash of s={instr.stage} mb={instr.mb} here to move")
     return stash
@@ -124,8 +125,9 @@ def _moved(stash: Stash) -> SavedTensors:
 def _still_read(rt: Rank) -> set[int]:
     """Storages something on this rank may still read before the stash is loaded back: the
     micro-batches' data, tensors waiting for a SEND or a local stage, sends in flight."""
-    held = [t for inputs, target in rt.batch_cache.values() for t in (*inputs, target)]
-    held += [t for box in (rt.outbox, rt.local) for ts in box.values() for t in ts]
+    state = rt.step_state
+    held = [t for inputs, target in state.batches.values() for t in (*inputs, target)]
+    held += [t for box in (state.outbox, state.local) for ts in box.values() for t in ts]
     held += [t for out in rt.comm.in_flight for t in out.tensors]
     return {storage_key(t) for t in held}
 
@@ -136,7 +138,7 @@ def evict(rt: Rank, instr: Instr) -> None:
     saved = _moved(_stash(rt, instr))
     buffer = saved.evict(buffer_bytes(rt, s, mb), keep=_still_read(rt))
     rt.comm.send(Kind.STASH, s, mb, instr.peer, [buffer])
-    rt.account(-saved.nbytes)
+    rt.stash_bytes.account(-saved.nbytes)
 
 
 def accept(rt: Rank, instr: Instr) -> None:
@@ -144,8 +146,8 @@ def accept(rt: Rank, instr: Instr) -> None:
     s, mb = instr.stage, instr.mb
     n = buffer_bytes(rt, s, mb)
     rt.comm.post(Kind.STASH, s, mb, instr.peer, [((n,), torch.uint8)])
-    rt.held[(s, mb)] = n
-    rt.account(n)
+    rt.step_state.held[(s, mb)] = n
+    rt.stash_bytes.account(n)
 
 
 def give_back(rt: Rank, instr: Instr) -> None:
@@ -153,7 +155,7 @@ def give_back(rt: Rank, instr: Instr) -> None:
     s, mb = instr.stage, instr.mb
     buffer = rt.comm.take(Kind.STASH, s, mb)[0]
     rt.comm.send(Kind.STASH_BACK, s, mb, instr.peer, [buffer])
-    rt.account(-rt.held.pop((s, mb)))
+    rt.stash_bytes.account(-rt.step_state.held.pop((s, mb)))
 
 
 def load(rt: Rank, instr: Instr) -> None:
@@ -162,7 +164,7 @@ def load(rt: Rank, instr: Instr) -> None:
     stash = _stash(rt, instr)
     rt.comm.post(Kind.STASH_BACK, s, mb, instr.peer, [((buffer_bytes(rt, s, mb),), torch.uint8)])
     stash.loading = True
-    rt.account(stash.saved.nbytes)
+    rt.stash_bytes.account(stash.saved.nbytes)
 
 
 def finish_load(rt: Rank, stage: int, mb: int, stash: Stash) -> None:

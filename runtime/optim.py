@@ -20,7 +20,8 @@ first pipeline's copy, a parameter tied across ranks on its lowest rank) and the
 non-finite losses are summed over the ranks in one all-reduce; a non-finite loss or norm stops
 the run before anything changes (`NonFinite`), or with `skip_nonfinite` skips the step. Else
 gradients are scaled as `torch.nn.utils.clip_grad_norm_` would, the schedule's rate is set and
-the optimizer steps. `rt.last_step` keeps the step's figures (`StepNumbers`).
+the optimizer steps. `step` returns the step's figures (`StepNumbers`), which OPTIMIZER_STEP
+keeps in the rank's step state.
 
 Without clipping or `skip_nonfinite` nothing the step does needs the other ranks' sums: the
 all-reduce then runs while the rank steps, and is awaited with the step's figures
@@ -75,6 +76,7 @@ class PendingStep:
         self.trainer, self.work, self.sums, self.lr, self.step = trainer, work, sums, lr, step
 
     def result(self) -> StepNumbers:
+        """Wait for the sum (once: runtime/step_state.py keeps what it gives)."""
         self.work.wait()
         norm, where = self.trainer.judge(self.sums.tolist())
         if where is not None:
@@ -177,7 +179,7 @@ class Trainer:
                 f"--precision {options.precision}: this rank's stages were captured for "
                 f"{rt.compute_dtype or 'the model dtype'}; prepare the rank at the run's precision"
             )
-        rt.zero = options.zero
+        self.zero = options.zero  # the rank's data-parallel sum waits for the step (Rank.zero)
         self.held = held_parameters(rt)
         self.size = sum(h.param.numel() for h in self.held)
         d = rt.dp if options.zero else 1
@@ -218,7 +220,9 @@ class Trainer:
         for s in self.slices:
             s.master.grad = None
 
-    def step(self) -> None:
+    def step(self) -> StepNumbers | PendingStep:
+        """Step the masters (see the module doc); the step's figures, pending while the gradient
+        norm is summed over the ranks."""
         rt, opts = self.rt, self.options
         grads = self._shard_grads()
         sums = self._sums(grads)
@@ -231,8 +235,7 @@ class Trainer:
                 self._take(grads, lr)
             else:
                 self.zero_grad()
-            rt.last_step = PendingStep(self, work, sums, lr, rt.step)
-            return
+            return PendingStep(self, work, sums, lr, rt.step)
         if not alone:
             dist.all_reduce(sums, group=self.norm_group)
         norm, where = self.judge(sums.tolist())
@@ -244,13 +247,12 @@ class Trainer:
                 )
             self.skipped += 1
             self.zero_grad()
-            rt.last_step = StepNumbers(lr, norm, True)
-            return
+            return StepNumbers(lr, norm, True)
         if opts.max_norm is not None:
             coef = min(opts.max_norm / (norm + 1e-6), 1.0)
             torch._foreach_mul_([g for g in grads if g is not None], coef)
         self._take(grads, lr)
-        rt.last_step = StepNumbers(lr, norm, False)
+        return StepNumbers(lr, norm, False)
 
     def _take(self, grads: list[Tensor | None], lr: float) -> None:
         """Step the masters with `grads` at `lr`, bring the parameters up to date, zero."""
@@ -276,7 +278,7 @@ class Trainer:
             if g is not None:
                 flat[h.offset : h.offset + h.param.numel()] = g.view(-1)
         mine = torch.empty(self.shard, dtype=torch.float32, device=rt.device)
-        dist.reduce_scatter_single(mine, flat, group=rt.dp_group)
+        dist.reduce_scatter_single(mine, flat, group=rt.groups.dp)
         return [mine[self.at(s) : self.at(s) + s.hi - s.lo] for s in self.slices]
 
     def at(self, s: _Slice) -> int:
@@ -332,7 +334,7 @@ class Trainer:
         for s in self.slices:
             mine[self.at(s) : self.at(s) + s.hi - s.lo] = s.master
         full = torch.empty(self.shard * rt.dp, dtype=dtype, device=rt.device)
-        dist.all_gather_single(full, mine, group=rt.dp_group)
+        dist.all_gather_single(full, mine, group=rt.groups.dp)
         with torch.no_grad():
             for h in self.held:
                 h.param.view(-1).copy_(full[h.offset : h.offset + h.param.numel()])

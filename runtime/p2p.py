@@ -369,11 +369,11 @@ def recv_grad(rt: Rank, instr: Instr) -> None:
 
 def send_act(rt: Rank, instr: Instr) -> None:
     """Send F(s, mb)'s output on (non-blocking)."""
-    tensors = rt.outbox.pop((Kind.ACT, instr.stage, instr.mb))
+    tensors = rt.step_state.outbox.pop((Kind.ACT, instr.stage, instr.mb))
     rt.comm.send(Kind.ACT, instr.stage, instr.mb, instr.peer, tensors)
 
 
 def send_grad(rt: Rank, instr: Instr) -> None:
     """Send B(s, mb)'s input gradient back (non-blocking)."""
-    tensors = rt.outbox.pop((Kind.GRAD, instr.stage, instr.mb))
+    tensors = rt.step_state.outbox.pop((Kind.GRAD, instr.stage, instr.mb))
     rt.comm.send(Kind.GRAD, instr.stage, instr.mb, instr.peer, tensors)

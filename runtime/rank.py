@@ -1,10 +1,12 @@
-"""One rank's state while it executes its program: stages, stashes, messages, memory meter.
+"""One rank of a run: what is fixed for the run (the build, the program, the stages, the
+device, communication, the optimizer) and, apart, what a step changes (runtime/step_state.py).
 
 `Rank.prepare` does everything that needs no communication (read the build, check it fits the
 run, rebuild this rank's stage modules from the model factory with the plan's seed and
 partition), so a bad build is refused before any rank talks to another. `Rank.connect` then
-creates the process groups the program's collectives use; the handlers in compute.py, p2p.py,
-offload.py and grads.py do the rest.
+creates the process groups the program's collectives use and the optimizer; the handlers in
+compute.py, p2p.py, offload.py and grads.py do the rest. Only this module assigns a Rank's
+fields: the others call its methods (`new_step`, `open_data`, `evaluating`).
 
 Ranks: the build has P programs (pipeline ranks); with data parallelism D copies run side by
 side and global rank = d·P + r for copy d, pipeline rank r.
@@ -12,9 +14,10 @@ side and global rank = d·P + r for copy d, pipeline rank r.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,16 +30,18 @@ from pipec.ir import Instr, Op, PipecError
 from pipec.runtime.bwsplit import split_backward
 from pipec.runtime.data import MicroBatch, Stream, Synthetic, open_source
 from pipec.runtime.meter import Meter
+from pipec.runtime.offload import size_moves
 from pipec.runtime.p2p import SENDS, Comm, Links
 from pipec.runtime.precision import to_bf16
-from pipec.runtime.stash import Stash, storage_key
+from pipec.runtime.stash import storage_key
+from pipec.runtime.step_state import StashBytes, StepState
 from pipec.runtime.transport import Transport
 
 if TYPE_CHECKING:
     from pipec.runtime.interpreter import Positions
-    from pipec.runtime.optim import PendingStep, StepNumbers
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+P = TypeVar("P")
 
 #: Line of instruction k in a .pipe file: a title line and a header line come first.
 FIRST_INSTR_LINE = 3
@@ -59,50 +64,62 @@ def check_runnable(build: Build, world: int) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Marks:
+    """The (stage, mb) pairs this rank's program treats apart: forwards it recomputes (the
+    stash keeps the inputs), stashes it EVICTs, and split stages' backwards run fused (BW)."""
+
+    recomputed: frozenset[tuple[int, int]] = frozenset()
+    evicted: frozenset[tuple[int, int]] = frozenset()
+    fused: frozenset[tuple[int, int]] = frozenset()
+
+    @staticmethod
+    def of(program: tuple[Instr, ...]) -> Marks:
+        split = any(i.op in (Op.B, Op.W) for i in program)
+        return Marks(
+            frozenset((i.stage, i.mb) for i in program if i.op is Op.RECOMPUTE),
+            frozenset((i.stage, i.mb) for i in program if i.op is Op.EVICT),
+            frozenset((i.stage, i.mb) for i in program if split and i.op is Op.BW),
+        )
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups of this rank's collectives (`Rank.connect`): its data-parallel group
+    (None: one copy), one per replica pair and chunk by (peer, chunk), and a group per
+    parameter tied across ranks with this rank's copy of it."""
+
+    dp: object | None = None
+    replicas: dict[tuple[int, int], object] = field(default_factory=dict)
+    tied: tuple[tuple[object, nn.Parameter], ...] = ()
+
+
 @dataclass
 class Rank:
-    """Everything one rank needs to execute its program; built by `prepare`."""
+    """Everything one rank needs to execute its program; built by `prepare`, connected by
+    `connect`. The fields are the run's; `step_state` is the step's, `stash_bytes` the stash
+    counter's."""
 
     build: Build
     rank: int  # pipeline rank: index of the program
     dp_index: int
-    world: int
     device: torch.device
     program: tuple[Instr, ...]
     modules: dict[int, nn.Module]
     param_keys: dict[int, frozenset[int]]
-    split: bool
-    recomputed: frozenset[tuple[int, int]]
+    marks: Marks
     spec: ModelSpec  # loss_fn, the example micro-batch and the data
+    meter: Meter  # real bytes (runtime/meter.py)
     data_seed: int = 0
-    evicted: frozenset[tuple[int, int]] = frozenset()  # stashes the program EVICTs
-    moved_bytes: tuple[int, ...] = ()  # per chunk, a stash move's bytes when not the plan's
-    fused: frozenset[tuple[int, int]] = frozenset()  # split stages' (s, mb) with a fused BW
-    comm: Comm | None = None
-    optimizer: torch.optim.Optimizer | None = None
-    dp_group: object | None = None
-    replica_groups: dict[tuple[int, int], object] = field(default_factory=dict)
-    tied: list[tuple[object, nn.Parameter]] = field(default_factory=list)
-    # Per-step state, emptied by OPTIMIZER_STEP.
-    stashes: dict[tuple[int, int], Stash] = field(default_factory=dict)
-    local: dict[tuple[int, int, int], tuple[Tensor, ...]] = field(default_factory=dict)
-    outbox: dict[tuple[int, int, int], tuple[Tensor, ...]] = field(default_factory=dict)
-    held: dict[tuple[int, int], int] = field(default_factory=dict)  # W-pending and accepted bytes
-    reductions: list[tuple[object, Tensor, list[nn.Parameter]]] = field(default_factory=list)
-    synced: set[int] = field(default_factory=set)
-    losses: dict[int, Tensor] = field(default_factory=dict)  # per micro-batch; see loss_sums
-    batch_cache: dict[int, MicroBatch] = field(default_factory=dict)  # this step's; see batch
-    stash_sizes: dict[tuple[int, int], int] = field(default_factory=dict)  # measured once
-    live: int = 0
-    peak: int = 0
-    data: Synthetic | Stream | None = None  # opened by the first `batch` unless set
-    meter: Meter | None = None  # real bytes; made at the first step (runtime/interpreter.py)
-    positions: Positions | None = None  # the program's per-step facts; made at the first step
-    step: int = 0  # the step being taken (1-based), for the learning-rate schedule
     compute_dtype: torch.dtype | None = None  # bf16: the stages were captured at it (prepare)
     fp32_buffers: dict[str, Tensor] = field(default_factory=dict)  # saved in place of bf16 ones
-    zero: bool = False  # ZeRO-1: the data-parallel sum is reduce-scattered at the step
-    last_step: StepNumbers | PendingStep | None = None  # the last optimizer step's figures
+    data: Synthetic | Stream | None = None  # opened by the first `batch` unless set
+    comm: Comm | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    groups: Groups = Groups()
+    positions: Positions | None = None  # the program's per-step facts; made at the first step
+    stash_bytes: StashBytes = field(default_factory=StashBytes)
+    step_state: StepState = field(default_factory=StepState)
 
     @property
     def layout(self):
@@ -111,6 +128,21 @@ class Rank:
     @property
     def P(self) -> int:
         return self.build.compiled.world
+
+    @property
+    def world(self) -> int:
+        return self.P * self.dp
+
+    @property
+    def step(self) -> int:
+        """The step being taken (1-based), for the learning-rate schedule."""
+        return self.step_state.step
+
+    @property
+    def zero(self) -> bool:
+        """ZeRO-1: the optimizer shards over the data-parallel copies, which then sum their
+        gradients at the step (runtime/optim.py), not in ALLREDUCE_GRADS."""
+        return bool(getattr(self.optimizer, "zero", False))
 
     @property
     def dp(self) -> int:
@@ -137,9 +169,10 @@ class Rank:
         the device. The losses stay there until the step's figures are read: an `.item()` per
         micro-batch made the host wait for the GPU after every last-stage F, so it could not
         queue the next instruction's kernels while that F ran."""
-        if not self.losses:
+        losses = self.step_state.losses
+        if not losses:
             return torch.zeros(2, dtype=torch.float64, device=self.device)
-        values = torch.stack(list(self.losses.values())).double()
+        values = torch.stack(list(losses.values())).double()
         return torch.stack((values.sum(), values.isfinite().logical_not().sum().double()))
 
     def describe(self, k: int | None) -> str:
@@ -158,27 +191,23 @@ class Rank:
             text += ", with its data-parallel group"
         return text
 
-    def account(self, nbytes: int) -> None:
-        """Add `nbytes` (negative: release) to the live stash bytes; keep the peak."""
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-
     def batch(self, mb: int) -> MicroBatch:
         """Inputs and target of this copy's micro-batch `mb` of this step, on this rank's device.
 
         The step's global batch is read at the first call of the step (`new_step` forgets the
         last one): only ranks holding a first or last stage ever read data.
         """
-        if not self.batch_cache:
+        batches = self.step_state.batches
+        if not batches:
             m = self.layout.m
             if self.data is None:
                 self.data = open_source(self.spec, m * self.dp, self.data_seed)
             mine = self.data.next()[self.dp_index * m : (self.dp_index + 1) * m]
-            self.batch_cache = {
-                i: (tuple(self._input(x) for x in inputs), target.to(self.device))
+            batches.update(
+                (i, (tuple(self._input(x) for x in inputs), target.to(self.device)))
                 for i, (inputs, target) in enumerate(mine)
-            }
-        return self.batch_cache[mb]
+            )
+        return batches[mb]
 
     def _input(self, x: Tensor) -> Tensor:
         """A first stage's input on this rank's device, floating ones in the compute dtype."""
@@ -191,10 +220,27 @@ class Rank:
         self.data = data
 
     def new_step(self, step: int) -> None:
-        """Step `step` begins: forget the last step's batch (the next `batch` call reads the
-        next one)."""
-        self.step = step
-        self.batch_cache = {}
+        """Step `step` begins with a state of its own: nothing of the last step's is kept (its
+        batch either: the next `batch` call reads the next one)."""
+        self.step_state = StepState(step)
+
+    def positions_for(self, make: Callable[[Rank], P]) -> P:
+        """The program's per-step facts, made by `make` at its first step and kept."""
+        if self.positions is None:
+            self.positions = make(self)
+        return self.positions
+
+    @contextmanager
+    def evaluating(self, program: tuple[Instr, ...], data: Stream) -> Iterator[None]:
+        """Run `program` on `data` inside the block (runtime/evaluate.py), with positions and
+        step state of its own; the training program, its data and its step state come back
+        after, as they were."""
+        saved = self.program, self.positions, self.data, self.step_state
+        self.program, self.positions, self.data = program, None, data
+        try:
+            yield
+        finally:
+            self.program, self.positions, self.data, self.step_state = saved
 
     def to_bf16(self) -> None:
         """Train in bf16 from now on (runtime/precision.py): stages cast, fp32 `main_grad`s.
@@ -269,38 +315,25 @@ class Rank:
             )
         except FrontendError as e:
             raise PipecError(str(e)) from None
-        split = any(i.op in (Op.B, Op.W) for i in program)
-        if split:
+        if any(i.op in (Op.B, Op.W) for i in program):
             for module in modules.values():
                 split_backward(module)
         param_keys = {
             s: frozenset(storage_key(p) for p in m.parameters()) for s, m in modules.items()
         }
-        recomputed = frozenset((i.stage, i.mb) for i in program if i.op is Op.RECOMPUTE)
+        marks = Marks.of(program)
         return Rank(
-            build,
-            rank,
-            dp_index,
-            world,
-            device,
-            program,
-            modules,
-            param_keys,
-            split,
-            recomputed,
-            factory,
-            data_seed,
-            frozenset((i.stage, i.mb) for i in program if i.op is Op.EVICT),
-            frozenset((i.stage, i.mb) for i in program if split and i.op is Op.BW),
-            compute_dtype=dtype,
-        )
+            build, rank, dp_index, device, program, modules, param_keys, marks, factory,
+            Meter(device), data_seed, compute_dtype=dtype,
+        )  # fmt: skip
 
     def connect(
         self, optimizer: OptimizerFactory, timeout: float, transport: Transport | None = None
     ) -> None:
         """Create the messages' transport (the backend's, unless given), the groups the
-        program's collectives use (every rank, same order) and the optimizer. Needs the default
-        process group."""
+        program's collectives use (every rank, same order) and the optimizer, and measure a
+        stash move's bytes where the plan's are not this run's (`size_moves`: a bf16 run's).
+        Needs the default process group."""
         c = self.build.compiled
         transport = transport or Transport.for_run(dist.get_backend(), self.device)
         # Every rank of the world makes the links (dist.new_group's rule): none when the build
@@ -316,11 +349,12 @@ class Rank:
             transport,
             links=links,
         )
+        dp_group = None
         dp_groups = [[d * c.world + r for d in range(self.dp)] for r in range(c.world)]
         for r, ranks in enumerate(dp_groups):
             group = dist.new_group(ranks) if self.dp > 1 else None
             if r == self.rank:
-                self.dp_group = group
+                dp_group = group
         # One group per replica pair and chunk: reductions of different chunks between the same
         # two ranks are then independent, whatever order the two programs issue them in.
         pairs = sorted(
@@ -331,13 +365,15 @@ class Rank:
                 if i.op is Op.ALLREDUCE_GRADS and i.peer is not None
             }
         )
+        replicas = {}
         for d in range(self.dp):
             for a, b, chunk in pairs:
                 group = dist.new_group([d * c.world + a, d * c.world + b])
                 if d == self.dp_index and self.rank in (a, b):
-                    self.replica_groups[(b if self.rank == a else a, chunk)] = group
-        self._connect_tied()
+                    replicas[(b if self.rank == a else a, chunk)] = group
+        self.groups = Groups(dp_group, replicas, self._tied_groups())
         self.optimizer = optimizer(self.parameters())
+        self.stash_bytes.moved = size_moves(self)  # after the optimizer: a bf16 run's at bf16
 
     def _links(self) -> Links:
         """A group per direction between two ranks that message each other (gloo: a pair of
@@ -361,9 +397,11 @@ class Rank:
                     links.recv[src] = group
         return links
 
-    def _connect_tied(self) -> None:
-        """Groups summing the gradients of parameters tied across ranks (embedding and head)."""
+    def _tied_groups(self) -> tuple[tuple[object, nn.Parameter], ...]:
+        """Groups summing the gradients of parameters tied across ranks (embedding and head),
+        each with this rank's copy of the parameter."""
         layout, c = self.layout, self.build.compiled
+        tied = []
         for group in self.build.plan["model"]["tied_parameters"]:
             names = {h["stage"]: h["name"] for h in group}
             for pipeline in layout.pipelines:
@@ -377,4 +415,5 @@ class Rank:
                     if d == self.dp_index and mine:
                         s = mine[0]
                         param = self.modules[s].get_parameter(names[layout.stage_chunk[s]])
-                        self.tied.append((pg, param))
+                        tied.append((pg, param))
+        return tuple(tied)

@@ -230,7 +230,7 @@ def run_case(case: dict, watchdog: Watchdog) -> dict:
             result["reference"] = reference_losses(
                 model["spec"], model["seed"], rt.layout.m, steps, lr, model.get("micro_batch_size")
             )
-    return result | {"peak_stash_bytes": rt.peak, "ok": True}
+    return result | {"peak_stash_bytes": rt.stash_bytes.peak, "ok": True}
 
 
 def serve(run: Callable[[dict, Watchdog], dict]) -> None:

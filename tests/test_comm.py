@@ -22,6 +22,7 @@ from pipec.runtime import offload, p2p
 from pipec.runtime import rank as rank_module
 from pipec.runtime.p2p import Comm, Kind, Links
 from pipec.runtime.rank import Rank
+from pipec.runtime.step_state import StashBytes
 from pipec.runtime.transport import CommStream, Transport
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -333,13 +334,13 @@ def test_both_sides_size_a_stash_buffer_from_the_plan(recompute):
     result = compile_model(f"{ROOT}/examples/gpt.py:tiny", family, 4, 8, evict=True)
     c = result.compiled
     build = SimpleNamespace(compiled=c, costs=result.costs)
-    rank = SimpleNamespace(layout=c.layout, build=build, moved_bytes=())
+    rank = SimpleNamespace(layout=c.layout, build=build, stash_bytes=StashBytes())
     facts = result.costs.input_bytes if recompute else result.costs.stash_bytes
     accepted = [i for prog in c.programs for i in prog if i.op is Op.ACCEPT]
     assert accepted
     for i in accepted:
         assert offload.buffer_bytes(rank, i.stage, i.mb) == facts[c.layout.stage_chunk[i.stage]]
-    rank.moved_bytes = tuple(range(100, 100 + len(facts)))
+    rank.stash_bytes = StashBytes(moved=tuple(range(100, 100 + len(facts))))
     for i in accepted:
         assert offload.buffer_bytes(rank, i.stage, i.mb) == 100 + c.layout.stage_chunk[i.stage]
 

@@ -86,7 +86,7 @@ def test_evaluation_in_one_process_restores_what_it_touched(tmp_path):
             loss = evaluate(rt, 3, watchdog)
     finally:
         dist.destroy_process_group()
-    assert rt.program is program and rt.data is data and not rt.losses
+    assert rt.program is program and rt.data is data and not rt.step_state.losses
     assert all(module.training for module in rt.modules.values())
     assert torch.equal(torch.get_rng_state(), rng)
     plain = load_factory(spec)

@@ -26,6 +26,7 @@ from pipec.runtime.interpreter import HANDLERS, QUIET, run_program
 from pipec.runtime.meter import FULL_EVERY, Meter
 from pipec.runtime.p2p import Comm
 from pipec.runtime.rank import Rank
+from pipec.runtime.step_state import StashBytes
 from pipec.runtime.transport import Transport
 
 #: Python-level calls (functions and builtins) per instruction, the handler's own included.
@@ -53,16 +54,18 @@ def rank(program, protocol: str) -> SimpleNamespace:
     """What `run_program` uses of a Rank: its program, a real Comm, the meter, parameters."""
     params = [nn.Parameter(torch.zeros(8)) for _ in range(4)]
     comm = Comm(lambda r: r, 2, 8, 60.0, transport=Transport(protocol=protocol))
-    return SimpleNamespace(
+    rt = SimpleNamespace(
         program=program,
         comm=comm,
-        live=0,
+        stash_bytes=StashBytes(),
         device=torch.device("cpu"),
         meter=CountingMeter(),
         positions=None,
         parameters=lambda: params,
         optimizer=torch.optim.SGD(params, lr=0.1),
     )
+    rt.positions_for = lambda make: Rank.positions_for(rt, make)
+    return rt
 
 
 def nothing(rt, instr) -> None:  # type: ignore[no-untyped-def]
@@ -200,8 +203,7 @@ def host_reads_per_step(tmp_path, m: int) -> int:
                     run_program(rt, HANDLERS, watchdog)
                 finally:
                     sys.setprofile(None)
-                assert len(rt.losses) == m
-                rt.losses.clear()
+                assert len(rt.step_state.losses) == m
     finally:
         dist.destroy_process_group()
     return reads

@@ -31,7 +31,6 @@ def one_rank(model: torch.nn.Module) -> SimpleNamespace:
         modules={0: model},
         layout=layout,
         build=SimpleNamespace(plan={"model": {"tied_parameters": []}}),
-        zero=False,
         compute_dtype=None,
         dp=1,
         dp_index=0,
@@ -39,7 +38,6 @@ def one_rank(model: torch.nn.Module) -> SimpleNamespace:
         rank=0,
         device=torch.device("cpu"),
         step=0,
-        last_step=None,
         loss_sums=lambda: torch.zeros(2, dtype=torch.float64),
     )
 

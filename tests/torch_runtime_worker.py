@@ -68,8 +68,7 @@ def pipec_losses(build: Build, case: dict, watchdog: Watchdog) -> list[float]:
         if rt is not None:
             rt.new_step(rt.step + 1)
             run_program(rt, HANDLERS, watchdog)
-            values = list(rt.losses.values())
-            rt.losses.clear()
+            values = list(rt.step_state.losses.values())
         out += step_loss(values)
     return out
 

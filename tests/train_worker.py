@@ -8,10 +8,10 @@ resumed run may name a checkpoint an earlier run wrote); "options" are runtime/o
 TrainOptions fields and the Schedule's (warmup, decay, min_lr, decay_fraction; "steps": the
 schedule's length when a run stops before it, as a killed run would), default none.
 Each run does what launch.py does (the Trainer, restore, train with a `Saver`, the same runtime
-functions) and writes to RESULTS_DIR/<rank>.json: the loss of each step (rank 0), each step's
-`rt.last_step`, the bytes of the optimizer's masters and state, whether this rank read the data,
-and with "full_loss" the loss of the plain model loaded with `pipec.checkpoint.load_full` on
-the batch the run's first step used.
+functions) and writes to RESULTS_DIR/<rank>.json: the loss of each step (rank 0), each
+optimizer step's figures, the bytes of the optimizer's masters and state, whether this rank read
+the data, and with "full_loss" the loss of the plain model loaded with
+`pipec.checkpoint.load_full` on the batch the run's first step used.
 """
 
 from pipec.runtime.faults import take_termination_signals
@@ -65,7 +65,6 @@ def run(case: dict, watchdog: Watchdog) -> dict:
     rt = Rank.prepare(
         build, dist.get_rank(), dist.get_world_size(), torch.device("cpu"), None, 0, dtype
     )
-    watchdog.describe = rt.describe
     read = []
     if rt.spec.data is not None:  # note whether the runtime asks this rank for data
 
@@ -74,7 +73,8 @@ def run(case: dict, watchdog: Watchdog) -> dict:
             return rt_data(rows, start)
 
         rt_data = rt.spec.data
-        rt.spec = dataclasses.replace(rt.spec, data=data)
+        rt = dataclasses.replace(rt, spec=dataclasses.replace(rt.spec, data=data))
+    watchdog.describe = rt.describe
     options = train_options(case["lr"], case["steps"], case.get("options", {}))
     rt.connect(lambda _: Trainer(rt, options), TIMEOUT_S)
     resume = Path(case["resume"]) if case["resume"] else None
@@ -86,7 +86,7 @@ def run(case: dict, watchdog: Watchdog) -> dict:
         save = Saver(rt, Path(case["save"]), case["every"], case["steps"], timeout=TIMEOUT_S)
 
     def after_step(step: int) -> None:
-        numbers.append(dataclasses.asdict(rt.last_step))
+        numbers.append(dataclasses.asdict(rt.step_state.numbers()))
         if save:
             save(step)
 

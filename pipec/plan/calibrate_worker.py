@@ -37,7 +37,6 @@ from pipec.frontend.precision import PRECISIONS
 from pipec.runtime.faults import Watchdog, end_with_parent
 from pipec.runtime.interpreter import HANDLERS
 from pipec.runtime.loop import train, write_measurements
-from pipec.runtime.offload import size_moves
 from pipec.runtime.optim import Trainer
 from pipec.runtime.options import parse_launch
 from pipec.runtime.rank import Rank
@@ -92,7 +91,6 @@ def main() -> None:
         dtype = PRECISIONS[args.precision]
         rt = Rank.prepare(load(build), rank, world, torch.device("cpu"), None, 0, dtype)
         rt.connect(lambda _, rt=rt: Trainer(rt, options), TIMEOUT_S)
-        size_moves(rt)
         ranks.append(rt)
     for k in range(args.rounds):
         for build, rt in zip(args.builds, ranks):
