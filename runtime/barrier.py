@@ -6,7 +6,9 @@ by the wait on the previous step's gathered figures (runtime/loop.py), where glo
 names only a socket address. So at each barrier every rank notes in the store where it
 arrived and which process it is (`Arrival`); when a wait between steps fails, the ranks still
 there read the notes and say which rank never arrived, or whose process on this machine has
-exited or is stopped (`who_left`).
+exited or is stopped (`who_left`). The notes, not gloo's message, also name the ranks rank 0's
+barrier timed out waiting for. Of gloo's text only its gist is kept beside them (`GLOO_GIST`,
+pinned by tests/test_torch_texts.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ FAILED = "pipec/failed/"  # + rank: set by a rank whose wait failed, before it e
 # Rank 0 gives up on the barrier this much sooner than the others give up on rank 0, so that
 # it is the one to report, naming the ranks that never arrived.
 BARRIER_SHARE = 0.75
-_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+#: The gist of gloo's error for a peer gone: 'Connection closed by peer [127.0.0.1]:6344'.
+GLOO_GIST = re.compile(r"\] ([^\[\n].*?)\. This is typically")
 # A killed process closes its sockets before it becomes a zombie: how long a rank whose
 # connection closed looks for the process that closed it.
 EXIT_SEEN_S = 1.0
@@ -75,13 +78,18 @@ def step_barrier(where: str, timeout: float) -> None:
     try:
         dist.monitored_barrier(timeout=timedelta(seconds=wait), wait_all_ranks=True)
     except RuntimeError as e:
-        missing = _MISSING.search(str(e))
-        timed_out = time.monotonic() - t0 >= 0.9 * wait  # else a connection closed first
-        if missing and timed_out:
-            ranks = [int(r) for r in missing[1].replace(",", " ").split()]
-            raise RuntimeError(
-                f"{_ranks(ranks)} did not reach the barrier {where} in {wait:g} s"
-            ) from None
+        # Rank 0 monitors the barrier: timed out (not a connection closed first), it names the
+        # ranks whose note is not this barrier's.
+        timed_out = time.monotonic() - t0 >= 0.9 * wait
+        if timed_out and dist.get_rank() == 0:
+            try:
+                missing = _never(_notes(store), where)
+            except RuntimeError:  # the store is gone too: gloo's message is all there is
+                missing = []
+            if missing:
+                raise RuntimeError(
+                    f"{_ranks(missing)} did not reach the barrier {where} in {wait:g} s"
+                ) from None
         raise who_left(e, f"at the barrier {where}", where) from None
 
 
@@ -101,11 +109,8 @@ def _left(store: dist.Store, during: str, barrier: str | None) -> str:
     """What `who_left` says: the ranks that never reached `barrier`, or else those whose
     process exited or is stopped (looked for up to EXIT_SEEN_S); "" when none is found."""
     store.set(f"{FAILED}{dist.get_rank()}", during)  # this rank will exit, but did not leave
-    notes: dict[int, Arrival | None] = {}
-    for rank in range(dist.get_world_size()):
-        key = f"{ARRIVED}{rank}"
-        notes[rank] = Arrival.parse(store.get(key).decode()) if store.check([key]) else None
-    never = [r for r, n in notes.items() if barrier and (n is None or n.where != barrier)]
+    notes = _notes(store)
+    never = _never(notes, barrier) if barrier else []
     if never:
         return f"{_ranks(never)} never reached the barrier {barrier}"
     deadline = time.monotonic() + EXIT_SEEN_S
@@ -125,10 +130,24 @@ def _left(store: dist.Store, during: str, barrier: str | None) -> str:
     return ""
 
 
+def _notes(store: dist.Store) -> dict[int, Arrival | None]:
+    """Every rank's last note (None: it has noted nothing yet)."""
+    notes: dict[int, Arrival | None] = {}
+    for rank in range(dist.get_world_size()):
+        key = f"{ARRIVED}{rank}"
+        notes[rank] = Arrival.parse(store.get(key).decode()) if store.check([key]) else None
+    return notes
+
+
+def _never(notes: dict[int, Arrival | None], barrier: str) -> list[int]:
+    """The ranks whose last note is not `barrier`: they never arrived there."""
+    return [r for r, n in notes.items() if n is None or n.where != barrier]
+
+
 def _gloo_says(error: RuntimeError) -> str:
-    """The gist of gloo's error: 'Connection closed by peer [127.0.0.1]:6344'."""
+    """The gist of gloo's error (`GLOO_GIST`), else its first line."""
     text = str(error)
-    gist = re.search(r"\] ([^\[\n].*?)\. This is typically", text)
+    gist = GLOO_GIST.search(text)
     return gist[1] if gist else text.splitlines()[0][:200]
 
 

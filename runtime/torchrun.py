@@ -69,7 +69,6 @@ def torchrun(
     return cmd, env
 
 
-_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _MESSAGE = "pipec runtime: "
 
 
@@ -112,7 +111,7 @@ def run_build(build: Path, nproc: int | None, args: Sequence[str], max_restarts:
     env[RECORDS] = "1"
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     stop = _Forward(proc)
-    messages, codes, failures = [], [], []
+    messages, failures = [], []
     condense = _Condense()
     with stop:
         for line in proc.stderr:
@@ -122,13 +121,11 @@ def run_build(build: Path, nproc: int | None, args: Sequence[str], max_restarts:
                     resumed = _resumed(config.checkpoint, env[RUN_ID]) if failure.restart else None
                     print(f"pipec run: {failure.line(resumed)}", file=sys.stderr, flush=True)
                 if failure.restart:  # a new attempt: its own messages say why it fails
-                    messages, codes = [], []
+                    messages = []
                 continue
             said = line[line.index(_MESSAGE) + len(_MESSAGE) :].strip() if _MESSAGE in line else ""
             if said and not said.startswith("notice:"):  # a notice is not why a run failed
                 messages.append(said)
-            elif m := _EXITCODE.search(line):
-                codes.append(int(m[1]))
             sys.stderr.write(condense(line, bool(messages) or bool(stop.signum)))
         sys.stderr.write(condense.rest())
         code = proc.wait()
@@ -141,9 +138,9 @@ def run_build(build: Path, nproc: int | None, args: Sequence[str], max_restarts:
         return 0
     said = messages[0] if messages else "a rank failed without a message; see torchrun's report"
     print(f"pipec run: {said}", file=sys.stderr, flush=True)
-    if failures:
-        return failures[-1].code()
-    return codes[0] if codes and codes[0] > 0 else code
+    # The failed ranks' exit codes and signals, from torchelastic's records (runtime/agent.py);
+    # none when no rank failed (torchrun's own failure): then torchrun's code.
+    return failures[-1].code() if failures else code
 
 
 def _resumed(checkpoints: CheckpointConfig, run: str) -> int | None:
@@ -233,7 +230,8 @@ class _Condense:
     failed ranks between two `====` rules. A traceback is held back until its exception line
     shows whose it is: a rank's own (or any other) is written out whole; torchrun's, with the
     table after it, becomes `torchrun: rank R failed first, then ranks ...`. Called with a
-    line, it returns what to write now."""
+    line, it returns what to write now. The report is torch's text, not a record:
+    tests/test_torch_texts.py pins it."""
 
     def __init__(self) -> None:
         self.held: list[str] = []

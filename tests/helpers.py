@@ -1,8 +1,10 @@
 """Small helpers shared by the tests."""
 
 import importlib
+import multiprocessing as mp
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from pipec import progress
@@ -74,3 +76,14 @@ def forbid_torchrun(monkeypatch) -> None:  # type: ignore[no-untyped-def]
         raise AssertionError(f"torchrun was started: {args[0] if args else kwargs}")
 
     monkeypatch.setattr("pipec.runtime.torchrun.subprocess.Popen", started)
+
+
+def forked(target: Callable[..., None], ranks: int, *args: object) -> None:
+    """`target(rank, *args)` in `ranks` forked processes, waited for (a minute each). Forked:
+    the test process has no process group, so they inherit none."""
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=target, args=(r, *args)) for r in range(ranks)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)

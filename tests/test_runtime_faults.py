@@ -28,6 +28,7 @@ from pipec.model import compile_model
 from pipec.runtime.barrier import BARRIER_SHARE, step_barrier, who_left
 from pipec.runtime.interpreter import HANDLERS, check_program
 from pipec.runtime.torchrun import torchrun
+from tests.helpers import forked
 from tests.runtime_launch import refused, said_by_rank_0
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,12 +169,7 @@ def _barrier_rank(rank: int, where: str) -> None:
 def test_a_rank_missing_from_the_step_barrier_is_named(tmp_path):
     """Between steps no rank waits on a peer's message, so the barrier itself names the missing
     rank: rank 0 gives up first (`BARRIER_SHARE` of the timeout) and says who did not come."""
-    ctx = mp.get_context("fork")  # the parent has no process group: nothing to inherit
-    procs = [ctx.Process(target=_barrier_rank, args=(r, str(tmp_path))) for r in range(3)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=60)
+    forked(_barrier_rank, 3, str(tmp_path))
     wait = BARRIER_TIMEOUT_S * BARRIER_SHARE
     assert (tmp_path / "0").read_text() == (
         f"rank 2 did not reach the barrier before step 3 in {wait:g} s"
@@ -201,15 +197,14 @@ def test_a_rank_that_died_between_steps_is_named(tmp_path):
     """A dead rank's closed connections fail the barrier at once, gloo's message naming only an
     address: the ranks still there say which rank never arrived (each notes in the store where
     it arrived), long before the barrier's timeout."""
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_dying_rank, args=(r, str(tmp_path))) for r in range(3)]
     t0 = time.monotonic()
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=60)
+    forked(_dying_rank, 3, str(tmp_path))
     said = [(tmp_path / str(r)).read_text() for r in (0, 1)]
     assert all(m.startswith("rank 2 never reached the barrier before step 2") for m in said), said
+    # Rank 1's then gives gloo's gist (runtime/barrier.py's GLOO_GIST, a text of torch's):
+    # were the text to change, its whole first line would follow, from gloo's source file.
+    gist = said[1].split(": ", 1)[1]
+    assert not gist.startswith("[") and "This is typically" not in gist, said
     assert time.monotonic() - t0 < BARRIER_TIMEOUT_S * 10 * BARRIER_SHARE, said
 
 
