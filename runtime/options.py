@@ -225,41 +225,44 @@ def parse_launch(argv: Sequence[str] | None) -> LaunchConfig:
     found, _ = first.parse_known_args(argv)
     if found.config is not None:
         argv = config_argv(ap, found.config) + argv
-    args = ap.parse_args(argv)
-    if error := _error(args):
+    config = _config(ap.parse_args(argv))
+    if error := _error(config):
         ap.error(error)
-    return _config(args)
+    return config
 
 
-def _error(args: argparse.Namespace) -> str | None:
+def _error(config: LaunchConfig) -> str | None:
     """What is wrong with values the parser cannot judge alone, in one line (None: nothing)."""
-    if args.peak_tflops is not None and args.peak_tflops <= 0:
-        return f"--peak-tflops must be positive (got {args.peak_tflops:g})"
-    if args.eval_every < 0 or args.eval_steps < 1:
+    run, t, ck, metrics, ev = (
+        config.run, config.training, config.checkpoint, config.metrics, config.eval
+    )  # fmt: skip
+    if metrics.peak_tflops is not None and metrics.peak_tflops <= 0:
+        return f"--peak-tflops must be positive (got {metrics.peak_tflops:g})"
+    if ev.eval_every < 0 or ev.eval_steps < 1:
         return "--eval-every must be 0 (never) or more, --eval-steps at least 1"
-    if args.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+    if metrics.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         return (
             "--tensorboard needs the tensorboard package: pip install 'pipec[tensorboard]' "
             "(or pip install tensorboard)"
         )
-    if args.steps < 1 or args.timeout <= 0 or args.save_every < 0:
+    if t.steps < 1 or run.timeout <= 0 or ck.save_every < 0:
         return "--steps must be at least 1, --timeout positive, --save-every 0 or more"
-    if args.check_grads and args.save:
+    if run.check_grads and ck.save:
         return "--check-grads runs one step and saves nothing; drop --save"
-    if args.max_norm is not None and not args.max_norm > 0:
-        return f"--max-norm {args.max_norm:g}: the norm to clip to must be positive"
-    if args.warmup < 0 or args.warmup >= args.steps:
+    if t.max_norm is not None and not t.max_norm > 0:
+        return f"--max-norm {t.max_norm:g}: the norm to clip to must be positive"
+    if t.warmup < 0 or t.warmup >= t.steps:
         return (
-            f"--warmup {args.warmup} with --steps {args.steps}: warm-up must be 0 or more and "
+            f"--warmup {t.warmup} with --steps {t.steps}: warm-up must be 0 or more and "
             "fewer steps than the run"
         )
-    if args.lr <= 0 or not 0 <= args.min_lr <= args.lr:
-        return f"--lr {args.lr:g} must be positive and --min-lr {args.min_lr:g} in [0, lr]"
-    if not 0 < args.decay_fraction <= 1:
-        return f"--decay-fraction {args.decay_fraction:g} must be in (0, 1]"
-    if args.eps <= 0 or args.weight_decay < 0:
+    if t.lr <= 0 or not 0 <= t.min_lr <= t.lr:
+        return f"--lr {t.lr:g} must be positive and --min-lr {t.min_lr:g} in [0, lr]"
+    if not 0 < t.decay_fraction <= 1:
+        return f"--decay-fraction {t.decay_fraction:g} must be in (0, 1]"
+    if t.eps <= 0 or t.weight_decay < 0:
         return "--eps must be positive and --weight-decay 0 or more"
-    if args.check_grads and args.precision != "fp32":
+    if run.check_grads and t.precision != "fp32":
         return "--check-grads compares fp32 gradients with the plain model's; drop --precision"
     return None
 
