@@ -59,8 +59,9 @@ def train(
     asked to stop). The gather is asynchronous and awaited after the next barrier, so a rank
     that stops between steps is mostly met in the barrier; one that dies just after passing it,
     its figures still on their way (gloo sends them in the background), fails the gather's
-    wait: both are named by runtime/barrier.py. Since every rank sees every rank's stop flag,
-    all of them stop after the same step.
+    wait, or the wait on the step's gradient norm (summed while the step ends): all are named
+    by runtime/barrier.py. Since every rank sees every rank's stop flag, all of them stop after
+    the same step.
     """
     traces: deque[StepTrace] = deque(maxlen=keep)
     pending: tuple[list[torch.Tensor], dist.Work] | None = None
@@ -86,7 +87,10 @@ def train(
             return list(traces)
         rt.new_step(step + 1)
         traces.append(run_program(rt, handlers, watchdog, full=step + 1 == steps))
-        pending = gather_step(rt, traces[-1], watchdog.stopping.is_set())
+        try:  # waits for the step's gradient norm (an all-reduce the optimizer step began)
+            pending = gather_step(rt, traces[-1], watchdog.stopping.is_set())
+        except RuntimeError as e:  # a rank died after its optimizer step
+            raise who_left(e, f"while step {rt.step}'s gradient norm was summed") from None
         if after_step:
             after_step(step + 1)
     step_barrier("after the last step", watchdog.timeout)
