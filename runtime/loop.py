@@ -59,8 +59,9 @@ def train(
     asked to stop). The gather is asynchronous and awaited after the next barrier, so a rank
     that stops between steps is mostly met in the barrier; one that dies just after passing it,
     its figures still on their way (gloo sends them in the background), fails the gather's
-    wait, or the wait on the step's gradient norm (summed while the step ends): all are named by runtime/barrier.py. Since every rank sees every rank's stop flag,
-    all of them stop after the same step.
+    wait, or the wait on the step's gradient norm (summed while the step ends): all are named
+    by runtime/barrier.py. Since every rank sees every rank's stop flag, all of them stop after
+    the same step.
     """
     traces: deque[StepTrace] = deque(maxlen=keep)
     pending: tuple[list[torch.Tensor], dist.Work] | None = None
