@@ -17,6 +17,8 @@ import torch
 from pipec.ir import Instr, Op
 from pipec.runtime import clock
 from pipec.runtime.interpreter import run_program
+from pipec.runtime.rank import Rank
+from pipec.runtime.step_state import StashBytes
 
 WORK_S = 0.05  # GPU seconds each instruction queues: far above a handler's own host time
 TICK_S = 1e-6  # host seconds that pass at each reading of the clock
@@ -87,7 +89,7 @@ def run_step(device: str, stream: FakeStream, n: int = 3):
             clock=0,
             in_flight=[],
         ),
-        live=0,
+        stash_bytes=StashBytes(),
         device=torch.device(device),
         meter=SimpleNamespace(
             start_step=lambda state: None,
@@ -99,6 +101,7 @@ def run_step(device: str, stream: FakeStream, n: int = 3):
         parameters=list,
         optimizer=None,
     )
+    rt.positions_for = lambda make: Rank.positions_for(rt, make)
     watchdog = SimpleNamespace(current=None, leave=lambda: None)
     return run_program(rt, {Op.F: lambda rt, instr: stream.launch(WORK_S)}, watchdog)
 
