@@ -6,10 +6,15 @@ import signal
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 from pipec import progress
 from pipec.compile import CompileResult, compile_schedule
 from pipec.passes.costs import CostModel, parse_costs
+from pipec.runtime.rank import Rank
+from pipec.runtime.step_state import StashBytes
 
 CHUNK_UNITS = "per=chunk"
 """The papers' unit where they count chunk passes: each op of one chunk takes the cost as
@@ -87,3 +92,24 @@ def forked(target: Callable[..., None], ranks: int, *args: object) -> None:
         proc.start()
     for proc in procs:
         proc.join(timeout=60)
+
+
+def stand_in_rank(program, comm, meter, device: str = "cpu", params=(), optimizer=None):  # type: ignore[no-untyped-def]
+    """What `run_program` reads of a Rank, for tests that drive the interpreter without a run:
+    one place to follow the Rank's fields (the stash counter, the positions) as they change."""
+    rt = SimpleNamespace(
+        program=program,
+        comm=comm,
+        stash_bytes=StashBytes(),
+        device=torch.device(device),
+        meter=meter,
+        positions=None,
+        parameters=lambda: list(params),
+        optimizer=optimizer,
+    )
+    rt.positions_for = lambda make: Rank.positions_for(rt, make)
+    return rt
+
+
+#: The watchdog `run_program` is handed when nothing watches the step.
+NO_WATCHDOG = SimpleNamespace(current=None, leave=lambda: None)

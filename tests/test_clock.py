@@ -17,8 +17,7 @@ import torch
 from pipec.ir import Instr, Op
 from pipec.runtime import clock
 from pipec.runtime.interpreter import run_program
-from pipec.runtime.rank import Rank
-from pipec.runtime.step_state import StashBytes
+from tests.helpers import NO_WATCHDOG, stand_in_rank
 
 WORK_S = 0.05  # GPU seconds each instruction queues: far above a handler's own host time
 TICK_S = 1e-6  # host seconds that pass at each reading of the clock
@@ -79,31 +78,17 @@ class FakeEvent:
 def run_step(device: str, stream: FakeStream, n: int = 3):
     """One step of `n` instructions, each queueing WORK_S of GPU work and returning."""
     program = tuple(Instr(Op.F, 0, mb) for mb in range(n))
-    rt = SimpleNamespace(
-        program=program,
-        comm=SimpleNamespace(
-            post_ahead=0,
-            batched=False,
-            waited=0.0,
-            poll=lambda: None,
-            clock=0,
-            in_flight=[],
-        ),
-        stash_bytes=StashBytes(),
-        device=torch.device(device),
-        meter=SimpleNamespace(
-            start_step=lambda state: None,
-            model_state=lambda params, optimizer: 0,
-            read=lambda: 0,
-            step_peak=max,
-        ),
-        positions=None,
-        parameters=list,
-        optimizer=None,
+    comm = SimpleNamespace(
+        post_ahead=0, batched=False, waited=0.0, poll=lambda: None, clock=0, in_flight=[]
     )
-    rt.positions_for = lambda make: Rank.positions_for(rt, make)
-    watchdog = SimpleNamespace(current=None, leave=lambda: None)
-    return run_program(rt, {Op.F: lambda rt, instr: stream.launch(WORK_S)}, watchdog)
+    meter = SimpleNamespace(
+        start_step=lambda state: None,
+        model_state=lambda params, optimizer: 0,
+        read=lambda: 0,
+        step_peak=max,
+    )
+    rt = stand_in_rank(program, comm, meter, device)
+    return run_program(rt, {Op.F: lambda rt, instr: stream.launch(WORK_S)}, NO_WATCHDOG)
 
 
 @pytest.mark.usefixtures("virtual_time")

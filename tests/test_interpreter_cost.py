@@ -26,8 +26,8 @@ from pipec.runtime.interpreter import HANDLERS, QUIET, run_program
 from pipec.runtime.meter import FULL_EVERY, Meter
 from pipec.runtime.p2p import Comm
 from pipec.runtime.rank import Rank
-from pipec.runtime.step_state import StashBytes
 from pipec.runtime.transport import Transport
+from tests.helpers import NO_WATCHDOG, stand_in_rank
 
 #: Python-level calls (functions and builtins) per instruction, the handler's own included.
 #: The loop makes 5 to 6 (two host-clock readings, the handler, the poll, the meter); it made
@@ -54,25 +54,14 @@ def rank(program, protocol: str) -> SimpleNamespace:
     """What `run_program` uses of a Rank: its program, a real Comm, the meter, parameters."""
     params = [nn.Parameter(torch.zeros(8)) for _ in range(4)]
     comm = Comm(lambda r: r, 2, 8, 60.0, transport=Transport(protocol=protocol))
-    rt = SimpleNamespace(
-        program=program,
-        comm=comm,
-        stash_bytes=StashBytes(),
-        device=torch.device("cpu"),
-        meter=CountingMeter(),
-        positions=None,
-        parameters=lambda: params,
-        optimizer=torch.optim.SGD(params, lr=0.1),
-    )
-    rt.positions_for = lambda make: Rank.positions_for(rt, make)
-    return rt
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    return stand_in_rank(program, comm, CountingMeter(), params=params, optimizer=optimizer)
 
 
 def nothing(rt, instr) -> None:  # type: ignore[no-untyped-def]
     """A handler that does no work: what is left is the interpreter's."""
 
 
-WATCHDOG = SimpleNamespace(current=None, leave=lambda: None)
 CASES = [(r, protocol) for r in (0, 1) for protocol in ("gloo", "nccl")]
 
 
@@ -94,7 +83,7 @@ def count_calls(rt, steps: int) -> int:
     sys.setprofile(profile)
     try:
         for _ in range(steps):
-            run_program(rt, handlers, WATCHDOG)
+            run_program(rt, handlers, NO_WATCHDOG)
     finally:
         sys.setprofile(None)
     return calls
@@ -121,10 +110,10 @@ def test_the_meter_reads_only_where_the_bytes_can_rise(programs, r, protocol):
     worked out once per rank, not once per step."""
     program = programs[r]
     rt = rank(program, protocol)
-    trace = run_program(rt, dict.fromkeys(HANDLERS, nothing), WATCHDOG, full=True)
+    trace = run_program(rt, dict.fromkeys(HANDLERS, nothing), NO_WATCHDOG, full=True)
     positions = rt.positions
     for _ in range(STEPS - 1):
-        run_program(rt, dict.fromkeys(HANDLERS, nothing), WATCHDOG, full=True)
+        run_program(rt, dict.fromkeys(HANDLERS, nothing), NO_WATCHDOG, full=True)
     assert rt.positions is positions
     read = positions.metered
     assert rt.meter.reads == STEPS * sum(read)
@@ -165,7 +154,7 @@ def test_between_full_steps_the_meter_reads_where_they_peaked(programs):
     gc.collect()  # earlier tests' garbage, freed by a collection mid-step, would lower readings
     for step in range(1, 2 * FULL_EVERY + 2):
         before = rt.meter.reads
-        traces.append(run_program(rt, handlers, WATCHDOG, full=step == 2 * FULL_EVERY + 1))
+        traces.append(run_program(rt, handlers, NO_WATCHDOG, full=step == 2 * FULL_EVERY + 1))
         reads.append(rt.meter.reads - before)
     metered = sum(rt.positions.metered)
     full = [s for s in range(1, len(reads) + 1) if reads[s - 1] == metered]
