@@ -99,7 +99,9 @@ def launch_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch threads per rank (default: cores / local ranks)",
     )
-    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic micro-batches")
+    ap.add_argument(
+        "--seed", type=int, default=0, help="seed of the synthetic batches and of dropout's masks"
+    )
     ap.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the medians")
     ap.add_argument(
         "--save", type=directory, help='write checkpoints to DIR (at the end at least; "": off)'

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from examples.gpt import TINY, GPTConfig
 from examples.gpt import make_spec as gpt_spec
+from pipec import checkpoint
 from pipec.frontend import (
     FrontendError,
     ModelPlan,
@@ -21,6 +23,7 @@ from pipec.frontend import (
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT}/examples/gpt.py:tiny"
+HF = f"{ROOT}/tests/frontend_models/hf.py"
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +160,21 @@ def test_meta_device_models_are_costed_not_profiled():
     assert plan.device == "meta" and all(s.stash_bytes > 0 for s in plan.stages)
     with pytest.raises(FrontendError, match="cannot profile .* meta device"):
         build_model_plan(spec, 2, profile=True)
+
+
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_the_stages_hold_every_name_the_model_saves(family, tmp_path):
+    """BERT's head bias is also its decoder's, T5's shared embedding its encoder's, decoder's
+    and head's; each graph reads one name of them. The stages' state_dicts together are the
+    model's, so a checkpoint of the stages loads into the plain model and exports as it."""
+    spec = f"{HF}:{family}"
+    stages = split_model(spec, 2)
+    model = load_factory(spec).model
+    assert set().union(*(stage.state_dict() for stage in stages)) == model.state_dict().keys()
+    path = checkpoint.save(tmp_path / "ck", 1, checkpoint.state_dict(stages, None))
+    other = load_factory(spec, seed=1).model
+    assert checkpoint.load_full(path, other) == 1
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(other.state_dict()[key], value, rtol=0, atol=0)
+    exported = load_file(checkpoint.export_model(path, tmp_path / "export"))
+    assert exported.keys() == model.state_dict().keys()

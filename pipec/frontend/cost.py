@@ -93,9 +93,9 @@ def _count(
     loss: Callable[[Any], Tensor] | None,
     convert: Callable[[Tensor], Tensor],
 ) -> Flops:
+    # each tensor once: functional_call gives its other names (tied) the same value
     params = {
-        name: convert(p).requires_grad_(p.requires_grad)
-        for name, p in stage.named_parameters(remove_duplicate=False)
+        name: convert(p).requires_grad_(p.requires_grad) for name, p in stage.named_parameters()
     }
     leaves = tuple(convert(x).requires_grad_(x.is_floating_point()) for x in inputs)
     counts = []

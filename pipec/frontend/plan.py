@@ -24,7 +24,7 @@ from pipec.frontend.facts import Costs, ModelPlan, StageFacts, TensorFacts, meas
 from pipec.frontend.partition import check_fits, resolve, split_point_counts
 from pipec.frontend.precision import BOUNDARY_DTYPES, PRECISIONS, at_dtype, run_at, take_values
 from pipec.frontend.spec import DEFAULT_SEED, FrontendError, ModelSpec, load_factory
-from pipec.frontend.stages import keep_persistence, split
+from pipec.frontend.stages import keep_persistence, name_as_the_model, split
 from pipec.frontend.trace import CaptureError, export, trace
 from pipec.runtime.direct import direct_calls
 
@@ -50,12 +50,23 @@ class _Traced:
         """The stages of `counts` blocks each (`stages.split`), `persistent`."""
         return self.persistent(split(self.gm, self.block_of, counts))
 
-    def persistent(self, stages: list[fx.GraphModule]) -> list[fx.GraphModule]:
-        """`stages`, each saving in its state_dict only what the model's own holds of it (a
-        graph module registers every buffer it copies as persistent)."""
-        persistent = self.spec.model.state_dict().keys()
+    def persistent(
+        self, stages: list[fx.GraphModule], every: list[fx.GraphModule] | None = None
+    ) -> list[fx.GraphModule]:
+        """`stages` (of the chain `every`, by default themselves), each saving in its
+        state_dict only what the model's own holds of it (a graph module registers every
+        buffer it copies as persistent), under each name the model has for it."""
+        model = self.spec.model.state_dict(keep_vars=True)
+        persistent = model.keys()
+        names: dict[int, list[str]] = {}  # the graph's tensors may be the model's or copies
+        for state in (model, self.gm.state_dict(keep_vars=True)):
+            for name, t in state.items():
+                if name in persistent and name not in names.setdefault(id(t), []):
+                    names[id(t)].append(name)
+        held = {n for stage in every or stages for n in stage.state_dict()}
         for stage in stages:
             keep_persistence(stage, persistent)
+            name_as_the_model(stage, names, held)
         return stages
 
 
@@ -219,7 +230,7 @@ def build_stages(
                 f"stage {k} of {spec} has {params} parameters, the plan {plan.stages[k].params};"
                 " the model changed since compiling: recompile"
             )
-    runnable = traced.persistent([direct_calls(modules[k]) for k in stages])
+    runnable = traced.persistent([direct_calls(modules[k]) for k in stages], modules)
     if dtype is not None:
         try:
             crossing = run_at(modules, traced.spec, dtype, backward=check_backward)

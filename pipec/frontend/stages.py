@@ -15,7 +15,8 @@ Then, for every stage:
   the exported output's pytree (a `ModelOutput`, a dict, a tuple).
 
 Stage modules keep the model's qualified names (`blocks.3.attn.qkv.weight`) and share the
-model's parameters; `keep_persistence` makes a stage's state_dict hold what the model's holds.
+model's parameters; `keep_persistence` and `name_as_the_model` make a stage's state_dict hold
+what the model's holds, under the model's names.
 """
 
 from __future__ import annotations
@@ -186,3 +187,28 @@ def keep_persistence(stage: nn.Module, persistent: Collection[str]) -> None:
         if name not in persistent:
             owner, _, leaf = name.rpartition(".")
             stage.get_submodule(owner)._non_persistent_buffers_set.add(leaf)
+
+
+def name_as_the_model(stage: nn.Module, names: dict[int, list[str]], held: Collection[str]) -> None:
+    """Register on `stage` each name the model saves one of its tensors under (`names`: the
+    model's saved names by tensor id) that no stage holds (`held`: the names the stages hold).
+
+    A graph reads a tensor the model names twice under one name only (BERT's head bias is also
+    its decoder's, T5's shared embedding its encoder's and decoder's), so no stage would hold
+    the others: a checkpoint would lack them, and neither load into the plain model nor export
+    as it. With them, the stages' state_dicts together hold every entry of the model's (a
+    checkpoint writes each tensor once, the other names as aliases).
+    """
+    for tensor in list(stage.state_dict(keep_vars=True).values()):
+        for name in names.get(id(tensor), ()):
+            if name not in held:
+                owner, _, leaf = name.rpartition(".")
+                module = stage
+                for part in owner.split(".") if owner else ():
+                    if part not in module._modules:
+                        module.add_module(part, nn.Module())
+                    module = module._modules[part]
+                if isinstance(tensor, nn.Parameter):
+                    module.register_parameter(leaf, tensor)
+                else:
+                    module.register_buffer(leaf, tensor)
