@@ -37,6 +37,14 @@ def warmup_kept(skip: int, ran: int, kept: int) -> int:
     return min(max(skip - (ran - kept), 0), kept - 1)
 
 
+def seed_step(rt: Rank, step: int) -> None:
+    """Training step `step` draws its random numbers (dropout's masks) from a stream of its
+    own, seeded by the run's seed, the step and the rank: a resumed or restarted run draws
+    what the uninterrupted run drew at that step."""
+    seed = ((rt.data_seed * 1_000_003 + step) * 1_000_003 + rt.dp_index) * 1_000_003 + rt.rank
+    torch.manual_seed(seed % 2**63)
+
+
 def train(
     rt: Rank,
     steps: int,
@@ -85,6 +93,7 @@ def train(
         step_barrier(f"before step {step + 1}", watchdog.timeout)
         if pending and finish_step():
             return list(traces)
+        seed_step(rt, step + 1)
         rt.new_step(step + 1)
         traces.append(run_program(rt, handlers, watchdog, full=step + 1 == steps))
         try:  # waits for the step's gradient norm (an all-reduce the optimizer step began)

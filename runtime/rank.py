@@ -221,12 +221,8 @@ class Rank:
 
     def new_step(self, step: int) -> None:
         """Step `step` begins with a state of its own: nothing of the last step's is kept (its
-        batch either: the next `batch` call reads the next one). Its random numbers (dropout's
-        masks) are a stream of its own, seeded by the run's seed, the step and the rank: a
-        resumed or restarted run draws what the uninterrupted run drew at that step."""
+        batch either: the next `batch` call reads the next one)."""
         self.step_state = StepState(step)
-        seed = ((self.data_seed * 1_000_003 + step) * 1_000_003 + self.dp_index) * 1_000_003
-        torch.manual_seed((seed + self.rank) % 2**63)
 
     def positions_for(self, make: Callable[[Rank], P]) -> P:
         """The program's per-step facts, made by `make` at its first step and kept."""

@@ -7,9 +7,8 @@ tied head (GPT-2), a state-space model (Mamba), an encoder-decoder with a convol
 end and frozen sinusoidal positions (Whisper), and a vision model whose stages are stacks of
 stacks (Swin). Random weights, nothing downloaded, dropout off.
 
-Beyond the matrix, two whose graphs read a tensor the model names twice under one name only:
-BERT's masked-LM head (its bias is also its decoder's; dropout on, as configured by default)
-and T5 (its shared embedding is also its encoder's and decoder's).
+Beyond the matrix: BERT's masked LM, dropout on (its config's default), whose head's bias is
+also its decoder's, a name its graph never reads.
 """
 
 from __future__ import annotations
@@ -189,32 +188,3 @@ def bert() -> ModelSpec:
     return ModelSpec(
         hf.BertForMaskedLM(config), (tokens,), target, lambda out, y: next_token_loss(out.logits, y)
     )
-
-
-class _T5(torch.nn.Module):
-    """T5: source ids and decoder ids in, the decoder's logits out."""
-
-    def __init__(self, config: hf.T5Config) -> None:
-        super().__init__()
-        self.t5 = hf.T5ForConditionalGeneration(config)
-
-    def forward(self, source: Tensor, ids: Tensor) -> Tensor:
-        return self.t5(input_ids=source, decoder_input_ids=ids).logits
-
-
-def t5() -> ModelSpec:
-    """Its shared embedding is the encoder's, the decoder's and the LM head's: four names."""
-    config = hf.T5Config(
-        vocab_size=VOCAB,
-        d_model=64,
-        d_kv=16,
-        d_ff=128,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        dropout_rate=0.0,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-    )
-    source, ids = torch.randint(VOCAB, (MB, SEQ)), torch.randint(VOCAB, (MB, SEQ))
-    return ModelSpec(_T5(config), (source, ids), ids, next_token_loss)
