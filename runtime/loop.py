@@ -42,7 +42,11 @@ def seed_step(rt: Rank, step: int) -> None:
     own, seeded by the run's seed, the step and the rank: a resumed or restarted run draws
     what the uninterrupted run drew at that step."""
     seed = ((rt.data_seed * 1_000_003 + step) * 1_000_003 + rt.dp_index) * 1_000_003 + rt.rank
-    torch.manual_seed(seed % 2**63)
+    # The rank's own generators: torch.manual_seed visits every backend's (132 us a call on
+    # this 2-core host, against 1.1 us for the CPU generator alone).
+    torch.default_generator.manual_seed(seed % 2**63)
+    if rt.device.type == "cuda":
+        torch.cuda.manual_seed(seed % 2**63)  # the rank's device is the current one
 
 
 def train(
