@@ -8,6 +8,7 @@ way, kill (SIGKILL) or freeze (SIGSTOP) rank 2 from outside, as a crash or a han
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import re
@@ -143,7 +144,9 @@ def test_a_dead_or_hung_rank_stops_every_rank_with_a_message(build, fault):
         assert any("rank 2" in text for _, text in messages.values()), run.text()
     finally:
         if victim is not None and fault is signal.SIGSTOP:
-            os.kill(victim, signal.SIGKILL)
+            # pipec's agent kills a stopped rank once the others fail: it may be gone already
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
         code = run.finish(timeout=60)
     assert code != 0
 
